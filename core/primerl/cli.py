@@ -1,0 +1,214 @@
+"""The ``primerl`` command line.
+
+Fast by design: this module imports only typer, rich and the light core. Commands that
+do heavy work import their implementation inside the command function, so
+``primerl --help`` and ``primerl plugins list`` never load torch.
+
+User errors (:class:`primerl.errors.PrimerlError`) are printed as one clear message and
+exit with code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from primerl.errors import PrimerlError
+
+app = typer.Typer(
+    name="primerl",
+    help="Asynchronous RL post-training for large MoE models, built from plugins.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+plugins_app = typer.Typer(help="List and inspect installed plugins.", no_args_is_help=True)
+models_app = typer.Typer(help="Inspect model plugins and their presets.", no_args_is_help=True)
+app.add_typer(plugins_app, name="plugins")
+app.add_typer(models_app, name="models")
+
+console = Console()
+err_console = Console(stderr=True)
+
+CONFIG_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+CONFIG_HELP = (
+    "Config files and overrides follow the options: '@ a.toml @ b.toml' merge left to right, "
+    "then '--section.key value' overrides, e.g. '--trainer.lr 3e-4 --orchestrator.async_level 2'."
+)
+
+
+# --------------------------------------------------------------------------------------
+# plugins
+# --------------------------------------------------------------------------------------
+
+
+@plugins_app.command("list")
+def plugins_list(
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
+) -> None:
+    """Every registered component, with the plugin and distribution providing it."""
+    from primerl.registry import get_registry
+
+    rows = [c.as_row() for c in get_registry().components]
+    rows.sort(key=lambda r: (r["kind"] or "", r["name"], r["plugin"]))
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="primerl plugins")
+    for col in ("kind", "name", "plugin", "distribution", "version", "status"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("description", overflow="fold")
+    for r in rows:
+        status = "[green]ok[/]" if r["status"] == "ok" else "[red]error[/]"
+        desc = r["description"] if r["status"] == "ok" else f"[red]{r['error']}[/]"
+        table.add_row(r["kind"] or "?", r["name"], r["plugin"], r["distribution"] or "-",
+                      r["version"] or "-", status, desc)
+    console.print(table)
+
+
+@plugins_app.command("info")
+def plugins_info(
+    name: str = typer.Argument(..., help="A component name (glm5), or a plugin/distribution name."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Details of a component or plugin: target, module, status and error."""
+    from primerl.registry import _normalize, get_registry
+
+    key = _normalize(name)
+    hits = [
+        c for c in get_registry().components
+        if c.name == name or key in {_normalize(c.plugin), _normalize(c.distribution or "")}
+    ]
+    if not hits:
+        raise PrimerlError(f"no plugin or component named '{name}'; see 'primerl plugins list'")
+    rows = []
+    for c in hits:
+        row = c.as_row()
+        row["target"] = c.target if isinstance(c.target, str) else f"{getattr(c.target, '__module__', '?')}:{getattr(c.target, '__qualname__', repr(c.target))}"
+        rows.append(row)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        table = Table(show_header=False, title=f"{row['kind']} '{row['name']}'")
+        for k, v in row.items():
+            table.add_row(k, str(v) if v is not None else "-")
+        console.print(table)
+
+
+# --------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------
+
+
+@models_app.command("show")
+def models_show(
+    name: str = typer.Argument(..., help="Model plugin name, e.g. glm5"),
+    preset: str = typer.Option("tiny", "--preset", help="Preset name (tiny, full, ...)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Print the HF-style config of a model preset."""
+    from primerl.registry import get_registry
+
+    adapter = get_registry().load("model", name)()
+    if preset not in adapter.presets:
+        raise PrimerlError(f"model '{name}' has no preset '{preset}'; presets: {', '.join(adapter.presets)}")
+    cfg = adapter.hf_config(preset)
+    if as_json:
+        typer.echo(json.dumps(cfg, indent=2, sort_keys=True))
+    else:
+        console.print_json(json.dumps(cfg, sort_keys=True))
+
+
+# --------------------------------------------------------------------------------------
+# run and the process commands a launcher starts
+# --------------------------------------------------------------------------------------
+
+
+def _resolve(ctx: typer.Context, explicit: dict[str, Any]):
+    from primerl.config import load_config, split_args
+
+    return load_config(split_args(list(ctx.args)), explicit)
+
+
+@app.command(context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
+def run(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", help="Model plugin (e.g. glm5)."),
+    env: Optional[str] = typer.Option(None, "--env", help="Environment plugin (e.g. reverse-text)."),
+    output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Where everything the run makes goes."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Number of RL steps."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+) -> None:
+    """Run RL end to end: inference, orchestrator and trainer as separate processes."""
+    from primerl.config import dump_toml, to_dict
+    from primerl.registry import get_registry
+
+    cfg = _resolve(ctx, {"model.name": model, "env.name": env, "output_dir": output_dir, "max_steps": max_steps})
+    if dry_run:
+        typer.echo(dump_toml(to_dict(cfg)), nl=False)
+        return
+    launcher = get_registry().load("launcher", cfg.launcher.name)
+    raise typer.Exit(launcher().launch(cfg) or 0)
+
+
+@app.command(context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
+def inference(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", help="Model plugin (e.g. glm5)."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Local HF checkpoint directory."),
+    host: Optional[str] = typer.Option(None, "--host"),
+    port: Optional[int] = typer.Option(None, "--port"),
+) -> None:
+    """Serve a model over the OpenAI-compatible API."""
+    from primerl.registry import get_registry
+
+    cfg = _resolve(ctx, {"model.name": model, "model.checkpoint": checkpoint,
+                         "inference.host": host, "inference.port": port})
+    backend = get_registry().load("inference_backend", cfg.inference.backend)
+    backend().serve(cfg)
+
+
+@app.command(context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
+def trainer(ctx: typer.Context) -> None:
+    """Run the trainer process of a run (started by a launcher)."""
+    from primerl.trainer.main import main as trainer_main
+
+    trainer_main(_resolve(ctx, {}))
+
+
+@app.command(context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
+def orchestrator(ctx: typer.Context) -> None:
+    """Run the orchestrator process of a run (started by a launcher)."""
+    from primerl.orchestrator.main import main as orchestrator_main
+
+    orchestrator_main(_resolve(ctx, {}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, standalone_mode=False)
+    except PrimerlError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors carry their own exit code
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

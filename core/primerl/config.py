@@ -1,0 +1,442 @@
+"""Typed run configuration: TOML files merged left to right, then dotted CLI overrides.
+
+    primerl run --model glm5 --env reverse-text @ base.toml @ fast.toml --trainer.lr 3e-4
+
+Every section is an attrs class validated at construction. Plugin sections (``[model]``,
+``[env]``) are validated by the selected plugin's own ``Config`` class, so a third-party
+environment declares its options once and gets the same checks and error messages.
+
+Errors name the key path, where the value came from (file or command line) and what is
+allowed; the CLI prints them and exits with code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import attrs
+
+from primerl.errors import ConfigError, PluginError
+from primerl.models import ModelConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+# --------------------------------------------------------------------------------------
+# Sections owned by the core. Plugin sections subclass ModelConfig / EnvConfig.
+# --------------------------------------------------------------------------------------
+
+
+def _positive(_inst: Any, attribute: attrs.Attribute, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {value}")
+
+
+def _non_negative(_inst: Any, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+
+
+@attrs.define(kw_only=True)
+class EnvConfig:
+    """The ``[env]`` section; environments subclass it to add their own options."""
+
+    name: str = "reverse-text"
+    seed: int = 0
+
+
+@attrs.define(kw_only=True)
+class InferenceConfig:
+    """The ``[inference]`` section: the server(s) that generate rollouts."""
+
+    backend: str = "embedded"
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8000, validator=_non_negative)  # 0 = pick a free port
+    max_batch_size: int = attrs.field(default=64, validator=_positive)
+    max_model_len: int = attrs.field(default=1024, validator=_positive)
+    kv_slots: int = attrs.field(default=128, validator=_positive)
+    dtype: str | None = None  # None: the model section's dtype
+
+
+@attrs.define(kw_only=True)
+class TrainerConfig:
+    """The ``[trainer]`` section: optimisation and weight publishing."""
+
+    lr: float = attrs.field(default=1e-3, validator=_positive)
+    weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+    max_grad_norm: float = attrs.field(default=1.0, validator=_positive)
+    warmup_steps: int = attrs.field(default=0, validator=_non_negative)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    seq_len: int = attrs.field(default=2048, validator=_positive)
+    loss: str = "default"
+    kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
+    mask_threshold: float = attrs.field(default=0.2, validator=_positive)
+    router_replay: bool = False
+    checkpoint_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = only at the end
+
+
+@attrs.define(kw_only=True)
+class OrchestratorConfig:
+    """The ``[orchestrator]`` section: rollouts, advantages, batches, staleness."""
+
+    batch_size: int = attrs.field(default=64, validator=_positive)  # samples per step
+    group_size: int = attrs.field(default=8, validator=_positive)  # samples per prompt
+    max_tokens: int = attrs.field(default=64, validator=_positive)
+    temperature: float = attrs.field(default=1.0, validator=_non_negative)
+    top_p: float = 1.0
+    max_concurrent: int = attrs.field(default=64, validator=_positive)
+    async_level: int = attrs.field(default=1, validator=_non_negative)
+    max_off_policy_steps: int = attrs.field(default=8, validator=_non_negative)
+    advantage: str = "grpo"
+
+
+@attrs.define(kw_only=True)
+class LauncherConfig:
+    name: str = "local"
+
+
+@attrs.define(kw_only=True)
+class RunConfig:
+    """Everything a run needs; written to ``OUTPUT_DIR/config.toml`` for its processes."""
+
+    output_dir: str = "outputs/run"
+    max_steps: int = attrs.field(default=100, validator=_positive)
+    seed: int = 0
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    env: EnvConfig = attrs.field(factory=EnvConfig)
+    inference: InferenceConfig = attrs.field(factory=InferenceConfig)
+    trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
+    orchestrator: OrchestratorConfig = attrs.field(factory=OrchestratorConfig)
+    launcher: LauncherConfig = attrs.field(factory=LauncherConfig)
+
+    def check(self, sources: Mapping[str, str]) -> None:
+        """Rules that span fields; each error names the keys involved."""
+        o = self.orchestrator
+        if o.batch_size % o.group_size:
+            raise ConfigError(
+                f"orchestrator.batch_size ({o.batch_size}, {_src(sources, 'orchestrator.batch_size')}) "
+                f"must be a multiple of orchestrator.group_size ({o.group_size}, "
+                f"{_src(sources, 'orchestrator.group_size')})"
+            )
+        if o.async_level > o.max_off_policy_steps:
+            raise ConfigError(
+                f"orchestrator.async_level ({o.async_level}) cannot exceed "
+                f"orchestrator.max_off_policy_steps ({o.max_off_policy_steps}): every batch would "
+                f"be dropped as stale. Raise max_off_policy_steps or lower async_level."
+            )
+        if not 0 < o.top_p <= 1:
+            raise ConfigError(f"orchestrator.top_p must be in (0, 1], got {o.top_p}")
+
+
+# --------------------------------------------------------------------------------------
+# Raw layer: TOML files and overrides merged into one dict, remembering each leaf's origin.
+# --------------------------------------------------------------------------------------
+
+CLI = "the command line"
+
+
+def _src(sources: Mapping[str, str], path: str) -> str:
+    return f"from {sources.get(path, 'the defaults')}"
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist (given as '@ {path}')")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file '{p}' is not valid TOML: {exc}") from None
+
+
+def merge_into(base: dict, new: Mapping, origin: str, sources: dict[str, str], prefix: str = "") -> None:
+    """Deep-merge ``new`` into ``base`` (tables merge, other values replace)."""
+    for key, value in new.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            merge_into(base[key], value, origin, sources, path + ".")
+        elif isinstance(value, Mapping):
+            base[key] = {}
+            merge_into(base[key], value, origin, sources, path + ".")
+        else:
+            base[key] = value
+            sources[path] = origin
+
+
+def parse_value(raw: str) -> Any:
+    """A CLI value is read as a TOML value when it parses as one, else as a plain string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def set_dotted(data: dict, dotted: str, value: Any, origin: str, sources: dict[str, str]) -> None:
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"'--{dotted}' is not a valid key path (expected --section.key)")
+    nested: dict = value
+    for part in reversed(parts):
+        nested = {part: nested}
+    merge_into(data, nested, origin, sources)
+
+
+# --------------------------------------------------------------------------------------
+# Typed layer: raw dict -> attrs instances, with errors that say where and what.
+# --------------------------------------------------------------------------------------
+
+
+def structure(cls: type, data: Any, path: str, sources: Mapping[str, str]) -> Any:
+    where = path or "the top level"
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"'{where}' must be a table, got {type(data).__name__} ({_src(sources, path)})")
+    fields = {f.name: f for f in attrs.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            full = f"{path}.{key}" if path else key
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            origin = sources.get(full) or _first_source_under(sources, full)
+            raise ConfigError(
+                f"unknown key '{full}' ({'from ' + origin if origin else 'no source'}).{hint} "
+                f"Allowed keys in '{where}': {', '.join(fields)}"
+            )
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else key
+        kwargs[key] = convert(hints[key], value, full, sources)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        bad = _which_field(exc, kwargs)
+        full = f"{path}.{bad}" if path and bad else (bad or where)
+        raise ConfigError(f"invalid value for '{full}' ({_src(sources, full)}): {exc}") from None
+
+
+def _first_source_under(sources: Mapping[str, str], prefix: str) -> str | None:
+    for k, v in sources.items():
+        if k.startswith(prefix + "."):
+            return v
+    return None
+
+
+def _which_field(exc: Exception, kwargs: Mapping[str, Any]) -> str | None:
+    # attrs validators receive the attribute; ours put no name in the message, so find it
+    for arg in getattr(exc, "args", ()):
+        if isinstance(arg, attrs.Attribute):
+            return arg.name
+    text = str(exc)
+    for key in kwargs:
+        if key in text:
+            return key
+    return next(iter(kwargs), None) if len(kwargs) == 1 else None
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "nothing (omit the key)"
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def convert(tp: Any, value: Any, path: str, sources: Mapping[str, str]) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    def fail(expected: str) -> ConfigError:
+        return ConfigError(
+            f"'{path}' must be {expected}, got {value!r} ({type(value).__name__}, {_src(sources, path)})"
+        )
+
+    if attrs.has(tp):
+        return structure(tp, value, path, sources)
+    if origin in (Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
+            return None
+        errors = []
+        for a in non_none:
+            try:
+                return convert(a, value, path, sources)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise fail(" or ".join(_type_name(a) for a in non_none))
+    if origin is Literal:
+        if value not in args:
+            raise fail("one of " + ", ".join(repr(a) for a in args))
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise fail(f"a list of {_type_name(args[0]) if args else 'values'}")
+        item = args[0] if args else Any
+        return [convert(item, v, f"{path}[{i}]", sources) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise fail("a table")
+        return {k: convert(args[1], v, f"{path}.{k}", sources) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise fail("true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise fail("an integer")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise fail("a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise fail("a string")
+    return value
+
+
+# --------------------------------------------------------------------------------------
+# Putting it together
+# --------------------------------------------------------------------------------------
+
+
+@attrs.define
+class ConfigSources:
+    """Command-line pieces of a config: ``@ file`` arguments and ``--a.b value`` overrides."""
+
+    files: list[str] = attrs.Factory(list)
+    overrides: list[tuple[str, str]] = attrs.Factory(list)
+
+
+def split_args(args: list[str]) -> ConfigSources:
+    """Parse the free-form tail of a command line: ``@ a.toml``, ``@b.toml``, ``--k.v x``, ``--k.v=x``."""
+    out = ConfigSources()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "@":
+            if i + 1 >= len(args):
+                raise ConfigError("'@' must be followed by a TOML file path")
+            out.files.append(args[i + 1])
+            i += 2
+        elif arg.startswith("@"):
+            out.files.append(arg[1:])
+            i += 1
+        elif arg.startswith("--"):
+            key, eq, val = arg[2:].partition("=")
+            if not eq:
+                if i + 1 >= len(args) or (args[i + 1].startswith("--") and not _is_number(args[i + 1])):
+                    val = "true"  # a bare flag: --trainer.router_replay
+                    i += 1
+                else:
+                    val = args[i + 1]
+                    i += 2
+            else:
+                i += 1
+            out.overrides.append((key.replace("-", "_"), val))
+        else:
+            raise ConfigError(
+                f"unexpected argument '{arg}': use '@ FILE.toml' for config files and "
+                f"'--section.key VALUE' for overrides"
+            )
+    return out
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def build_raw(src: ConfigSources, explicit: Mapping[str, Any] | None = None) -> tuple[dict, dict[str, str]]:
+    raw: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for f in src.files:
+        merge_into(raw, read_toml(f), f"'{f}'", sources)
+    for key, val in src.overrides:
+        set_dotted(raw, key, parse_value(val), f"{CLI} (--{key})", sources)
+    for key, val in (explicit or {}).items():
+        if val is not None:
+            set_dotted(raw, key, val, f"{CLI} (--{key.split('.')[0]})", sources)
+    return raw, sources
+
+
+def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, registry: Any = None) -> RunConfig:
+    """Resolve a RunConfig; plugin sections are checked by the selected plugin's Config class."""
+    from primerl.registry import get_registry
+
+    raw, sources = build_raw(src, explicit)
+    reg = registry or get_registry()
+    plugin_sections = {"model": "model", "env": "env"}
+    plugin_classes: dict[str, type] = {}
+    for section, kind in plugin_sections.items():
+        table = raw.get(section, {})
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"'{section}' must be a table ({_src(sources, section)})")
+        default = attrs.fields_dict(RunConfig)[section].default.factory().name
+        name = table.get("name", default)
+        try:
+            target = reg.load(kind, name)
+        except PluginError as exc:
+            raise ConfigError(f"{section}.name = {name!r} ({_src(sources, section + '.name')}): {exc}") from None
+        cfg_cls = getattr(target, "Config", None)
+        base = ModelConfig if section == "model" else EnvConfig
+        if cfg_cls is None:
+            cfg_cls = base
+        elif not (isinstance(cfg_cls, type) and issubclass(cfg_cls, base)):
+            raise ConfigError(
+                f"{kind} plugin '{name}' declares Config={cfg_cls!r}, which is not a subclass of "
+                f"primerl's {base.__name__}; fix the plugin"
+            )
+        plugin_classes[section] = cfg_cls
+    top = {k: v for k, v in raw.items() if k not in plugin_sections}
+    cfg = structure(RunConfig, top, "", sources)
+    for section, cls in plugin_classes.items():
+        setattr(cfg, section, structure(cls, raw.get(section, {}), section, sources))
+    cfg.check(sources)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return attrs.asdict(cfg, recurse=True)
+
+
+def dump_toml(data: Mapping[str, Any]) -> str:
+    """Write a nested dict of scalars/lists as TOML (None values are omitted)."""
+    lines: list[str] = []
+
+    def scalar(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int | float):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(scalar(x) for x in v) + "]"
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    def table(d: Mapping[str, Any], name: str) -> None:
+        simple = [(k, v) for k, v in d.items() if not isinstance(v, Mapping) and v is not None]
+        nested = [(k, v) for k, v in d.items() if isinstance(v, Mapping)]
+        if name and simple:
+            lines.append(f"\n[{name}]")
+        for k, v in simple:
+            lines.append(f"{k} = {scalar(v)}")
+        for k, v in nested:
+            table(v, f"{name}.{k}" if name else k)
+
+    table(data, "")
+    return "\n".join(lines).lstrip("\n") + "\n"

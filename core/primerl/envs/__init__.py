@@ -1,0 +1,93 @@
+"""The environment contract: tasks in, rewards out.
+
+The simplest environment a third party writes::
+
+    from primerl import hookimpl
+    from primerl.envs import SingleTurnEnv, Task
+
+    class Echo(SingleTurnEnv):
+        def tasks(self, split):
+            for i in range(100):
+                yield Task(id=str(i), prompt=f"Say {i}", answer=str(i))
+
+        def reward(self, task, completion):
+            return float(completion.strip() == task.answer)
+
+    @hookimpl
+    def register_envs(register):
+        register("echo", Echo)
+
+An environment may declare ``Config``, a subclass of :class:`primerl.config.EnvConfig`,
+to accept options from the ``[env]`` section (``--env.my_option 3``); it receives the
+validated instance as ``self.config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import attrs
+
+from primerl.config import EnvConfig
+
+Message = dict[str, Any]
+
+
+def _check_prompt(_inst: Any, _attr: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, str):
+        return
+    if isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return
+    raise ValueError(
+        "Task.prompt must be a string or a list of chat messages like "
+        "[{'role': 'user', 'content': '...'}]"
+    )
+
+
+@attrs.frozen(kw_only=False)
+class Task:
+    """One problem: a prompt, optionally a reference answer and free-form info."""
+
+    id: str = attrs.field(validator=attrs.validators.instance_of(str))
+    prompt: str | list[Message] = attrs.field(validator=_check_prompt)
+    answer: str | None = None
+    info: dict[str, Any] = attrs.field(factory=dict)
+
+    def messages(self, system_prompt: str | None = None) -> list[Message]:
+        """The prompt as chat messages (a string prompt becomes one user message)."""
+        msgs = [{"role": "user", "content": self.prompt}] if isinstance(self.prompt, str) else list(self.prompt)
+        if system_prompt and not any(m["role"] == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        return msgs
+
+
+class Environment:
+    """Base of all environments. Subclasses implement ``tasks``; see SingleTurnEnv."""
+
+    Config: ClassVar[type[EnvConfig]] = EnvConfig
+    system_prompt: ClassVar[str | None] = None
+
+    def __init__(self, config: EnvConfig | None = None):
+        self.config = config if config is not None else self.Config()
+
+    def tasks(self, split: str) -> Iterable[Task]:
+        """The tasks of a split ('train' or 'eval')."""
+        raise NotImplementedError
+
+
+class SingleTurnEnv(Environment):
+    """One prompt, one completion, one reward in [0, 1]."""
+
+    def reward(self, task: Task, completion: str) -> float:
+        raise NotImplementedError
+
+    def score(self, task: Task, completion: str) -> float:
+        """Call ``reward`` and check its range, so a buggy env fails loudly, not silently."""
+        r = float(self.reward(task, completion))
+        if not 0.0 <= r <= 1.0 or r != r:
+            raise ValueError(f"{type(self).__name__}.reward returned {r} for task {task.id!r}; rewards must be in [0, 1]")
+        return r
+
+
+__all__ = ["Environment", "Message", "SingleTurnEnv", "Task"]

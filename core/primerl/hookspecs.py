@@ -1,0 +1,66 @@
+"""The public plugin contract: one register-callback hook per kind of component.
+
+A plugin is a module named by an entry point in the ``primerl`` group. It implements
+any of the hooks below with ``@primerl.hookimpl`` and calls ``register`` once per
+component it provides::
+
+    from primerl import hookimpl
+
+    @hookimpl
+    def register_envs(register):
+        register("my-env", "my_pkg.env:MyEnv", description="what it trains")
+
+``target`` is the component itself (a class or factory) or a lazy ``"module:attr"``
+string. Prefer the string: ``primerl plugins list`` and ``primerl --help`` then never
+import the component's module, so torch, transformers or vLLM stay unloaded until a
+run selects it.
+
+Keep this module stable: third parties code against exactly these names and signatures.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from primerl._markers import hookspec
+
+
+class Register(Protocol):
+    """The callback each hook receives."""
+
+    def __call__(self, name: str, target: Any, *, description: str = "") -> None: ...
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model adapters (architecture, presets, checkpoint layout, MoE/R3 hooks)."""
+
+
+@hookspec
+def register_envs(register: Register) -> None:
+    """Register environments (tasks and rewards: single-turn, multi-turn, tool use)."""
+
+
+@hookspec
+def register_routers(register: Register) -> None:
+    """Register request routers placed in front of several inference servers."""
+
+
+@hookspec
+def register_kv_stores(register: Register) -> None:
+    """Register KV-cache stores (memory, disk, Mooncake...)."""
+
+
+@hookspec
+def register_parallelisms(register: Register) -> None:
+    """Register trainer parallelism strategies (FSDP2, expert parallel, context parallel)."""
+
+
+@hookspec
+def register_inference_backends(register: Register) -> None:
+    """Register inference backends (the embedded engine, vLLM...)."""
+
+
+@hookspec
+def register_launchers(register: Register) -> None:
+    """Register launchers that start the processes of a run (local, Slurm...)."""

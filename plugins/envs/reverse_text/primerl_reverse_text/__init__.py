@@ -1,0 +1,1 @@
+"""The reverse-text environment for primerl."""

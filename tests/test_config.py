@@ -1,0 +1,84 @@
+"""Typed config: files merged left to right, CLI overrides last, errors that say where."""
+
+import pytest
+
+from primerl.config import ConfigSources, dump_toml, load_config, split_args, to_dict
+from primerl.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("tmp_path")
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_split_args_accepts_both_file_forms_and_override_forms():
+    src = split_args(["@", "a.toml", "@b.toml", "--trainer.lr", "3e-4", "--env.x=5", "--trainer.router_replay"])
+    assert src.files == ["a.toml", "b.toml"]
+    assert src.overrides == [("trainer.lr", "3e-4"), ("env.x", "5"), ("trainer.router_replay", "true")]
+
+
+def test_files_merge_left_to_right_then_overrides(tmp_path):
+    a = write(tmp_path, "a.toml", "max_steps = 5\n[trainer]\nlr = 0.1\nwarmup_steps = 3\n")
+    b = write(tmp_path, "b.toml", "[trainer]\nlr = 0.2\n[orchestrator]\nasync_level = 2\n")
+    cfg = load_config(ConfigSources(files=[a, b], overrides=[("trainer.lr", "0.3")]))
+    assert cfg.max_steps == 5
+    assert cfg.trainer.lr == 0.3 and cfg.trainer.warmup_steps == 3
+    assert cfg.orchestrator.async_level == 2
+
+
+def test_plugin_section_is_validated_by_the_plugins_config_class(tmp_path):
+    cfg = load_config(ConfigSources(overrides=[("env.max_words", "3")]), {"env.name": "reverse-text"})
+    assert type(cfg.env).__name__ == "ReverseTextConfig" and cfg.env.max_words == 3
+    with pytest.raises(ConfigError, match="max_words"):
+        load_config(ConfigSources(overrides=[("env.max_words", "0")]))
+
+
+def test_unknown_key_names_path_file_and_suggestion(tmp_path):
+    a = write(tmp_path, "a.toml", "[trainer]\nlrr = 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(ConfigSources(files=[a]))
+    msg = str(err.value)
+    assert "trainer.lrr" in msg and "a.toml" in msg and "Did you mean 'lr'" in msg
+
+
+def test_wrong_type_names_path_and_origin():
+    with pytest.raises(ConfigError) as err:
+        load_config(ConfigSources(overrides=[("orchestrator.group_size", "eight")]))
+    msg = str(err.value)
+    assert "'orchestrator.group_size' must be an integer" in msg and "--orchestrator.group_size" in msg
+
+
+def test_validator_errors_name_the_key():
+    with pytest.raises(ConfigError, match="trainer.lr.*must be > 0"):
+        load_config(ConfigSources(overrides=[("trainer.lr", "-1")]))
+
+
+def test_impossible_combinations_are_rejected():
+    with pytest.raises(ConfigError, match="multiple of orchestrator.group_size"):
+        load_config(ConfigSources(overrides=[("orchestrator.batch_size", "10"), ("orchestrator.group_size", "4")]))
+    with pytest.raises(ConfigError, match="async_level .* cannot exceed"):
+        load_config(ConfigSources(overrides=[("orchestrator.async_level", "3"),
+                                             ("orchestrator.max_off_policy_steps", "2")]))
+
+
+def test_unknown_plugin_is_a_config_error():
+    with pytest.raises(ConfigError, match="no env named 'nope'"):
+        load_config(ConfigSources(), {"env.name": "nope"})
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = write(tmp_path, "bad.toml", "[trainer\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(ConfigSources(files=[bad]))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(ConfigSources(files=[str(tmp_path / "missing.toml")]))
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(ConfigSources(overrides=[("trainer.lr", "0.5"), ("max_steps", "7")]))
+    text = dump_toml(to_dict(cfg))
+    again = load_config(ConfigSources(files=[write(tmp_path, "resolved.toml", text)]))
+    assert to_dict(again) == to_dict(cfg)

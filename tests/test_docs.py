@@ -1,0 +1,25 @@
+"""Docs stay true: every hook is documented with its signature and an example."""
+
+import re
+
+import primerl.hookspecs as hookspecs
+from conftest import REPO
+
+
+def test_every_hook_is_documented():
+    text = (REPO / "docs" / "plugins.md").read_text()
+    hooks = [n for n in dir(hookspecs) if n.startswith("register_")]
+    for hook in hooks:
+        assert f"### `{hook}(register)`" in text, f"docs/plugins.md lacks a section for {hook}"
+        section = text.split(f"### `{hook}(register)`", 1)[1].split("\n### ", 1)[0]
+        assert f"def {hook}(register)" in section, f"{hook} section has no example"
+
+
+def test_quick_start_has_two_lines_and_ci_runs_the_test_line():
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"#+ Quick start\n+```[a-z]*\n(.*?)```", readme, re.S).group(1)
+    lines = [ln for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert len(lines) == 2
+    assert "primerl run --model glm5 --env reverse-text" in lines[0]
+    test_cmd = lines[1].split("&&")[-1].strip()
+    assert test_cmd in (REPO / ".ci" / "run").read_text()
