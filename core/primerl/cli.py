@@ -32,7 +32,8 @@ models_app = typer.Typer(help="Inspect model plugins and their presets.", no_arg
 app.add_typer(plugins_app, name="plugins")
 app.add_typer(models_app, name="models")
 
-console = Console()
+# piped output (CI logs, `| less`) gets a wide table instead of 80 folded columns
+console = Console(width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True)
 
 CONFIG_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=False)
     except PrimerlError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

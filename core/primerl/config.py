@@ -100,6 +100,19 @@ class OrchestratorConfig:
 
 
 @attrs.define(kw_only=True)
+class SftConfig:
+    """The ``[sft]`` section: supervised warm-up on the env's reference answers before RL.
+
+    A fresh tiny model earns no reward at all; a short warm-up gives RL something to
+    improve. ``steps = 0`` skips it (the usual case for a pretrained checkpoint).
+    """
+
+    steps: int = attrs.field(default=0, validator=_non_negative)
+    lr: float = attrs.field(default=3e-3, validator=_positive)
+    batch_size: int = attrs.field(default=32, validator=_positive)
+
+
+@attrs.define(kw_only=True)
 class LauncherConfig:
     name: str = "local"
 
@@ -116,6 +129,7 @@ class RunConfig:
     inference: InferenceConfig = attrs.field(factory=InferenceConfig)
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
     orchestrator: OrchestratorConfig = attrs.field(factory=OrchestratorConfig)
+    sft: SftConfig = attrs.field(factory=SftConfig)
     launcher: LauncherConfig = attrs.field(factory=LauncherConfig)
 
     def check(self, sources: Mapping[str, str]) -> None:

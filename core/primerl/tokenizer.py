@@ -37,6 +37,8 @@ EOS_TOKEN = "<|endoftext|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 SPECIAL_TOKENS = (EOS_TOKEN, "[gMASK]", "<sop>", *ROLE_TOKENS)
 NUM_BYTES = 256
+VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)  # len(byte_tokenizer()) == 263
+EOS_TOKEN_ID = NUM_BYTES  # <|endoftext|>, also the pad id
 
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"

@@ -1,0 +1,315 @@
+"""The orchestrator process: rollouts in, training batches out, weights kept fresh.
+
+It is an asyncio program with three concurrent jobs:
+
+* **weight watcher** — as soon as the trainer publishes ``weights/step_n`` (its
+  ``STABLE`` file appears), tell every inference server to load it. In-flight requests
+  carry on; later tokens record version n.
+* **group starter** — keep rollout groups in flight (one chat request with
+  ``n = group_size`` per task, so the prompt is prefilled once), bounded by
+  ``max_concurrent`` samples and by ``async_level``: with inference at version v, the
+  groups of batches up to v + 1 + async_level may have been started. ``async_level = 0``
+  is synchronous: batch n is generated entirely by v(n-1).
+* **batch writer** — fill batch n with the first groups to finish (a long-tail rollout
+  never holds a batch back), drop samples whose oldest token version is more than
+  ``max_off_policy_steps`` behind n - 1, cancel in-flight groups that can no longer
+  qualify, compute group advantages and write ``rollouts/step_n.pt`` atomically.
+
+Environments score completions here (``env.score``); tool and multi-turn environments
+run their episodes through the same client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from primerl.config import RunConfig
+from primerl.envs import Environment, Task
+from primerl.registry import get_registry
+
+
+def log(msg: str) -> None:
+    print(f"[orchestrator {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def step_name(n: int) -> str:
+    return f"step_{n:06d}"
+
+
+@attrs.define
+class Group:
+    """The samples of one task, and the version of the policy when they were started."""
+
+    task: Task
+    start_version: int
+    samples: list[dict[str, Any]] = attrs.Factory(list)
+    tokens: int = 0
+
+    @property
+    def oldest_version(self) -> int:
+        versions = [v for s in self.samples for v in s["versions"] if v >= 0]
+        return min(versions, default=self.start_version)
+
+
+class InferenceClient:
+    """The OpenAI-compatible API plus primerl's admin endpoints, over one or more servers."""
+
+    def __init__(self, urls: list[str], timeout: float = 600.0):
+        import httpx
+
+        self.urls = urls
+        self.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
+        self._rr = itertools.cycle(urls)
+
+    async def wait_ready(self, deadline_s: float = 600.0) -> None:
+        import httpx
+
+        t0 = time.monotonic()
+        for url in self.urls:
+            while True:
+                try:
+                    if (await self.http.get(url + "/health", timeout=2)).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - t0 > deadline_s:
+                    raise RuntimeError(f"inference server {url} not ready after {deadline_s:.0f}s")
+                await asyncio.sleep(0.2)
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = await self.http.post(next(self._rr) + "/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"inference request failed ({r.status_code}): {r.text[:500]}")
+        return r.json()
+
+    async def load_weights(self, path: Path, version: int) -> None:
+        for url in self.urls:
+            r = await self.http.post(url + "/admin/weights", json={"path": str(path), "version": version})
+            if r.status_code != 200:
+                raise RuntimeError(f"{url} could not load weights {path}: {r.text[:500]}")
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+class Orchestrator:
+    def __init__(self, cfg: RunConfig, env: Environment, client: InferenceClient):
+        self.cfg = cfg
+        self.o = cfg.orchestrator
+        self.env = env
+        self.client = client
+        self.out = Path(cfg.output_dir)
+        self.groups_per_batch = self.o.batch_size // self.o.group_size
+        self.version = -1  # newest version loaded into inference (-1: none yet)
+        self.started = 0  # groups started (minus those refunded after a drop)
+        self.finished: asyncio.Queue[Group] = asyncio.Queue()
+        self.in_flight: dict[asyncio.Task, Group] = {}
+        self.next_batch = 1
+        self.tokens_since_batch = 0
+        self.version_changed = asyncio.Event()
+        self.tasks = self._task_stream()
+
+    def _task_stream(self) -> Iterator[Task]:
+        rng = random.Random(self.cfg.seed)
+        tasks = list(self.env.tasks("train"))
+        if not tasks:
+            raise ValueError(f"environment '{self.cfg.env.name}' has no train tasks")
+        while True:
+            rng.shuffle(tasks)
+            yield from tasks
+
+    # ---- weights ------------------------------------------------------------------------
+    async def watch_weights(self) -> None:
+        weights = self.out / "weights"
+        while True:
+            newest = self._newest_published(weights)
+            if newest is not None and newest > self.version:
+                await self.client.load_weights(weights / step_name(newest), newest)
+                self.version = newest
+                self.version_changed.set()
+                log(f"inference now serves policy v{newest}")
+            await asyncio.sleep(0.05)
+
+    @staticmethod
+    def _newest_published(weights: Path) -> int | None:
+        if not weights.is_dir():
+            return None
+        steps = [int(p.parent.name.split("_")[1]) for p in weights.glob("step_*/STABLE")]
+        return max(steps, default=None)
+
+    # ---- rollouts -------------------------------------------------------------------------
+    def may_start(self) -> bool:
+        allowed_batches = self.version + 1 + self.o.async_level
+        samples_in_flight = len(self.in_flight) * self.o.group_size
+        return (self.version >= 0 and self.started < allowed_batches * self.groups_per_batch
+                and samples_in_flight + self.o.group_size <= max(self.o.max_concurrent, self.o.group_size))
+
+    async def start_groups(self) -> None:
+        while True:
+            while self.may_start():
+                task = next(self.tasks)
+                group = Group(task=task, start_version=self.version)
+                job = asyncio.create_task(self.rollout(group))
+                self.in_flight[job] = group
+                job.add_done_callback(self._on_done)
+                self.started += 1
+            self.version_changed.clear()
+            try:
+                await asyncio.wait_for(self.version_changed.wait(), timeout=0.05)
+            except asyncio.TimeoutError:
+                pass
+
+    def _on_done(self, job: asyncio.Task) -> None:
+        group = self.in_flight.pop(job)
+        if job.cancelled():
+            return
+        if job.exception() is not None:
+            log(f"rollout of task {group.task.id} failed: {job.exception()!r}; starting another")
+            self.started -= 1
+            return
+        self.finished.put_nowait(group)
+
+    async def rollout(self, group: Group) -> None:
+        o = self.o
+        body = {
+            "model": self.cfg.model.name,
+            "messages": group.task.messages(self.env.system_prompt),
+            "n": o.group_size, "max_tokens": o.max_tokens, "temperature": o.temperature, "top_p": o.top_p,
+            "logprobs": True, "return_routed_experts": self.cfg.trainer.router_replay,
+        }
+        resp = await self.client.chat(body)
+        prompt_ids = resp["prompt_token_ids"]
+        for choice in resp["choices"]:
+            completion = choice["message"]["content"] or ""
+            ids = choice["token_ids"]
+            logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
+            reward = await asyncio.to_thread(self.env.score, group.task, completion)
+            n_prompt = len(prompt_ids)
+            group.samples.append({
+                "tokens": prompt_ids + ids,
+                "loss_mask": [0] * n_prompt + [1] * len(ids),
+                "logprobs": [0.0] * n_prompt + logprobs,
+                "versions": [-1] * n_prompt + choice["policy_versions"],
+                "reward": reward,
+                "temperature": o.temperature,
+                "routed_experts": _decode_routed(choice.get("routed_experts")),
+                "task_id": group.task.id,
+            })
+            group.tokens += len(ids)
+        self.tokens_since_batch += group.tokens
+
+    # ---- batches --------------------------------------------------------------------------
+    async def write_batches(self) -> None:
+        from primerl.trainer.loss import compute_advantages
+
+        last = time.monotonic()
+        for n in range(1, self.cfg.max_steps + 1):
+            groups: list[Group] = []
+            dropped = 0
+            while len(groups) < self.groups_per_batch:
+                group = await self.finished.get()
+                staleness = (n - 1) - group.oldest_version
+                if staleness > self.o.max_off_policy_steps:
+                    dropped += len(group.samples)
+                    self.started -= 1  # let a fresh group take its place
+                    continue
+                groups.append(group)
+            self.cancel_hopeless(n + 1)
+            samples = []
+            for g in groups:
+                advantages = compute_advantages([s["reward"] for s in g.samples], self.o.advantage)
+                for s, a in zip(g.samples, advantages):
+                    samples.append({**s, "advantage": float(a)})
+            now = time.monotonic()
+            rewards = [s["reward"] for s in samples]
+            staleness = [(n - 1) - g.oldest_version for g in groups]
+            metrics = {
+                "step": n,
+                "reward/mean": sum(rewards) / len(rewards),
+                "reward/max": max(rewards),
+                "reward/min": min(rewards),
+                "off_policy/max": max(staleness),
+                "off_policy/mean": sum(staleness) / len(staleness),
+                "dropped_stale": dropped,
+                "inference/policy_version": self.version,
+                "throughput/tokens_per_s": self.tokens_since_batch / max(now - last, 1e-9),
+                "orchestrator/batch_seconds": now - last,
+                "seq_len/mean": sum(len(s["tokens"]) for s in samples) / len(samples),
+                "completion_len/mean": sum(sum(s["loss_mask"]) for s in samples) / len(samples),
+            }
+            self.tokens_since_batch = 0
+            last = now
+            self.next_batch = n + 1
+            await asyncio.to_thread(write_batch, self.out / "rollouts" / f"{step_name(n)}.pt",
+                                    {"step": n, "samples": samples, "metrics": metrics})
+            log(f"batch {n}: reward {metrics['reward/mean']:.3f}, staleness max {metrics['off_policy/max']}, "
+                f"dropped {dropped}, inference v{self.version}")
+
+    def cancel_hopeless(self, next_batch: int) -> None:
+        """Cancel in-flight groups that would be too stale even for the next batch."""
+        for job, group in list(self.in_flight.items()):
+            if (next_batch - 1) - group.start_version > self.o.max_off_policy_steps:
+                job.cancel()
+                self.started -= 1
+
+    async def run(self) -> None:
+        await self.client.wait_ready()
+        jobs = [asyncio.create_task(self.watch_weights()), asyncio.create_task(self.start_groups())]
+        try:
+            await self.write_batches()
+        finally:
+            for job in [*jobs, *self.in_flight]:
+                job.cancel()
+            await asyncio.gather(*jobs, *self.in_flight, return_exceptions=True)
+
+
+def write_batch(path: Path, batch: dict[str, Any]) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(batch, tmp)
+    os.replace(tmp, path)
+
+
+def _decode_routed(obj: dict[str, Any] | None):
+    if not obj:
+        return None
+    import base64
+
+    import numpy as np
+    import torch
+
+    arr = np.frombuffer(base64.b64decode(obj["data"]), dtype=obj["dtype"]).reshape(obj["shape"])
+    return torch.from_numpy(arr.copy())
+
+
+def inference_urls(cfg: RunConfig) -> list[str]:
+    return [f"http://{cfg.inference.host}:{cfg.inference.port}"]
+
+
+def main(cfg: RunConfig) -> None:
+    env_cls = get_registry().load("env", cfg.env.name)
+    env = env_cls(cfg.env)
+    client = InferenceClient(inference_urls(cfg))
+
+    async def go() -> None:
+        try:
+            await Orchestrator(cfg, env, client).run()
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+    log(f"wrote {cfg.max_steps} batches; done")
+    sys.stdout.flush()

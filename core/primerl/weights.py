@@ -1,0 +1,115 @@
+"""Moving weights from the trainer to inference servers.
+
+Two channels, one reader:
+
+* **filesystem** — an HF checkpoint directory (``config.json`` + ``model.safetensors`` or
+  shards with ``model.safetensors.index.json``) written under the run directory, which
+  is shared across nodes on a cluster. Servers are told by an admin call to load it.
+* **shm** — for a trainer and server on the same machine: one safetensors file in
+  ``/dev/shm`` (tmpfs, no disk), written in a single pass.
+
+The reader memory-maps each safetensors file and views tensors straight out of the
+mapping (no intermediate copy), so loading costs one copy into the model's parameters:
+close to the raw memory-copy floor (``bench/weight_sync.py`` measures the ratio).
+Names and shapes are checked against the model *before* any parameter is touched, so
+a bad checkpoint leaves the served weights intact.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from primerl.errors import PrimerlError
+
+DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class WeightsError(PrimerlError):
+    """A checkpoint that cannot be loaded into the served model."""
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (or a single file)."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise WeightsError(f"weights path '{p}' does not exist")
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [p / s for s in shards]
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"'{p}' holds no *.safetensors files (expected an HF checkpoint directory)")
+    return files
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) views into the memory-mapped file(s); no copies are made."""
+    for file in safetensors_files(path):
+        with open(file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (header_len,) = struct.unpack("<Q", mm[:8])
+        header = json.loads(mm[8 : 8 + header_len])
+        base = 8 + header_len
+        buf = memoryview(mm)
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            dtype = DTYPES[meta["dtype"]]
+            if end == start:
+                yield name, torch.empty(meta["shape"], dtype=dtype)
+                continue
+            with warnings.catch_warnings():  # read-only mapping: we only ever read from it
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(buf[base + start : base + end], dtype=dtype)
+            yield name, flat.view(meta["shape"])
+
+
+def load_into(model: torch.nn.Module, path: str | Path, strict: bool = True) -> int:
+    """Copy a checkpoint into ``model``'s parameters in place. Returns bytes copied."""
+    targets = dict(model.state_dict(keep_vars=True))
+    tensors = dict(iter_safetensors(path))
+    unknown = sorted(set(tensors) - set(targets))
+    missing = sorted(set(targets) - set(tensors)) if strict else []
+    bad_shape = [n for n, t in tensors.items() if n in targets and tuple(t.shape) != tuple(targets[n].shape)]
+    if unknown or missing or bad_shape:
+        parts = []
+        if unknown:
+            parts.append(f"{len(unknown)} unknown tensor(s), e.g. {unknown[:3]}")
+        if missing:
+            parts.append(f"{len(missing)} missing tensor(s), e.g. {missing[:3]}")
+        if bad_shape:
+            n = bad_shape[0]
+            parts.append(f"shape mismatch for {n}: {tuple(tensors[n].shape)} vs {tuple(targets[n].shape)}")
+        raise WeightsError(f"checkpoint '{path}' does not fit the served model: " + "; ".join(parts))
+    copied = 0
+    with torch.no_grad():
+        for name, t in tensors.items():
+            targets[name].data.copy_(t)
+            copied += t.numel() * t.element_size()
+    return copied
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write one safetensors file atomically (write to a temp name, then rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)

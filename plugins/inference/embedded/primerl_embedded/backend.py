@@ -1,0 +1,67 @@
+"""The ``embedded`` inference backend: build model + engine from a run config and serve it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from primerl.config import RunConfig
+
+
+class EmbeddedBackend:
+    """Serves the selected model plugin with primerl's own engine."""
+
+    def build(self, cfg: RunConfig) -> tuple[Any, Any, Any]:
+        """(engine, tokenizer, adapter) for ``cfg``; the engine is not started."""
+        import attrs
+        import torch
+
+        from primerl.registry import get_registry
+        from primerl_embedded.engine import Engine
+
+        torch.set_grad_enabled(False)
+        adapter = get_registry().load("model", cfg.model.name)()
+        model_cfg = cfg.model
+        if cfg.inference.dtype:
+            model_cfg = attrs.evolve(model_cfg, dtype=cfg.inference.dtype)
+        model = adapter.build(model_cfg)
+        tokenizer = adapter.tokenizer(model_cfg)
+        layout = adapter.moe_layout(model_cfg) if hasattr(adapter, "moe_layout") else {}
+        eos = tokenizer.eos_token_id
+        engine = Engine(
+            model,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            max_batch_size=cfg.inference.max_batch_size,
+            max_model_len=cfg.inference.max_model_len,
+            kv_slots=cfg.inference.kv_slots,
+            num_experts=layout.get("num_experts"),
+        )
+        engine.decode = lambda ids: tokenizer.decode(ids)
+        return engine, tokenizer, adapter
+
+    @staticmethod
+    def weight_loader(engine: Any, adapter: Any):
+        """HF checkpoint directories go through the adapter (it knows the on-disk layout);
+        a single safetensors file (the co-located /dev/shm channel) holds our own layout."""
+        from pathlib import Path
+
+        from primerl.weights import load_into
+
+        def load(path: str) -> Any:
+            if Path(path).is_dir():
+                return adapter.load_checkpoint(engine.model, path)
+            return load_into(engine.model, path)
+
+        return load
+
+    def serve(self, cfg: RunConfig) -> None:
+        import uvicorn
+
+        from primerl_embedded.server import create_app
+
+        engine, tokenizer, adapter = self.build(cfg)
+        engine.start()
+        app = create_app(engine, tokenizer, cfg.model.name, load_weights=self.weight_loader(engine, adapter))
+        try:
+            uvicorn.run(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning")
+        finally:
+            engine.stop()

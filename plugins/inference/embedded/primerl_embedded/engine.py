@@ -1,0 +1,449 @@
+"""The embedded inference engine: continuous batching over a slot KV cache.
+
+Why our own engine: RL needs things a plain ``generate`` loop lacks — requests joining
+and leaving the running batch at every step (a long rollout never holds up short ones),
+the token ids and per-token log-probabilities of everything it produced, the policy
+version of every token, the routed experts of every token (router replay), and weight
+updates that land between two decode steps without aborting anything in flight. And it
+must run wherever torch runs, a laptop CPU included.
+
+How it works. One thread owns the model and loops over :meth:`Engine.step`:
+
+1. apply a pending weight update, if any (between steps, so in-flight sequences carry
+   on with the new weights; each later token records the new version);
+2. admit waiting sequences into free KV slots, reusing the longest cached prefix (a
+   multi-turn episode's earlier turns, or the prompt of a sibling when ``n > 1``);
+3. run one forward for the decode rows (one new token each) and one for prefill rows
+   (a prompt's uncached tokens), both ragged via per-row lengths and past lengths;
+4. sample a token per row (temperature, top-k, top-p, per-request seed), record its
+   log-probability, version and routed experts, and retire finished sequences, whose
+   slots stay cached for prefix reuse until they are needed.
+
+The model contract (see the model plugins): ``model(input_ids [B,S], positions [B,S],
+lengths [B], cache=, slots=, past_lens=, logits_for="last")`` returning ``.logits [B,V]``
+and ``.routed_experts [B,S,L,k]`` (or None for dense models), and
+``model.new_cache(num_slots, max_len)`` with ``copy_prefix(src, dst, n)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from primerl.errors import PrimerlError
+from primerl.sampling import sample
+
+
+class RequestError(PrimerlError):
+    """A request the engine cannot serve (too long, bad parameters): a 4xx for the client."""
+
+
+@attrs.define(kw_only=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = attrs.Factory(list)
+    stop_token_ids: list[int] = attrs.Factory(list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: sampled token only; k: also the top-k alternatives
+    return_routed_experts: bool = False
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """One sampled continuation of a prompt, and everything recorded while producing it."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_ids: list[int] = attrs.Factory(list)
+    logprobs: list[float] = attrs.Factory(list)
+    top_logprobs: list[dict[int, float]] = attrs.Factory(list)
+    versions: list[int] = attrs.Factory(list)  # policy version that produced each output token
+    routed: list[torch.Tensor] = attrs.Factory(list)  # chunks [n_tokens, L, k] in token order
+    finish_reason: str | None = None
+    stop_text_at: int | None = None  # where a stop string begins in the decoded text
+    slot: int = -1
+    cached: int = 0  # tokens of (prompt + output) already in the KV cache
+    leader: Sequence | None = None  # for n > 1: the sibling whose prompt KV this one copies
+    arrival: float = attrs.Factory(time.monotonic)
+    on_done: Callable[[Sequence], None] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """[tokens processed, L, k] routed expert ids (uint8, or int16 above 255 experts)."""
+        return torch.cat(self.routed) if self.routed else None
+
+
+@attrs.define
+class EngineStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    steps: int = 0
+    weight_updates: int = 0
+    last_update_seconds: float = 0.0
+    last_batch_size: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_token_ids: list[int],
+        max_batch_size: int = 64,
+        max_model_len: int = 1024,
+        kv_slots: int = 128,
+        max_prefill_tokens: int = 4096,
+        num_experts: int | None = None,
+    ):
+        if kv_slots < max_batch_size:
+            raise ValueError(f"kv_slots ({kv_slots}) must be >= max_batch_size ({max_batch_size})")
+        self.model = model.eval()
+        self.eos = set(eos_token_ids)
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.routed_dtype = torch.uint8 if (num_experts or 0) <= 256 else torch.int16
+        self.param = next(model.parameters())
+        self.cache = model.new_cache(kv_slots, max_model_len)
+        self.kv_slots = kv_slots
+        self.free_slots: list[int] = list(range(kv_slots))[::-1]
+        self.prefix_cache: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # idle slot -> its tokens
+        self.prefix_routed: dict[int, list[torch.Tensor]] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.version = 0
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._updates: deque[tuple[Callable[[], None], int, threading.Event, list]] = deque()
+        self._paused = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- public API (thread-safe) ---------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               on_done: Callable[[Sequence], None] | None = None) -> list[Sequence]:
+        """Queue ``params.n`` sequences for a prompt; ``on_done`` fires in the engine thread."""
+        self.validate(prompt_ids, params)
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed + i)
+            seq = Sequence(id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
+                           generator=gen, on_done=on_done)
+            if i > 0:
+                seq.leader = seqs[0]
+            seqs.append(seq)
+        with self._lock:
+            self.waiting.extend(seqs)
+            self.stats.requests += 1
+            self._lock.notify_all()
+        return seqs
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size if hasattr(self.model, "config") else None
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if vocab is not None and any(t < 0 or t >= vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if params.max_tokens < 1:
+            raise RequestError("max_tokens must be >= 1")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model length {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if params.n < 1 or params.n > self.max_batch_size:
+            raise RequestError(f"n must be in [1, {self.max_batch_size}]")
+        if params.temperature < 0:
+            raise RequestError("temperature must be >= 0")
+        if not 0 < params.top_p <= 1:
+            raise RequestError("top_p must be in (0, 1]")
+        if params.logprobs is not None and not 0 <= params.logprobs <= 20:
+            raise RequestError("logprobs must be between 0 and 20")
+
+    def update_weights(self, apply: Callable[[], None], version: int | None = None, wait: bool = True) -> int:
+        """Run ``apply`` (which copies new weights into the model) between two steps."""
+        done = threading.Event()
+        box: list = []
+        with self._lock:
+            new_version = version if version is not None else self.version + 1
+            self._updates.append((apply, new_version, done, box))
+            self._lock.notify_all()
+        if not self.running_in_thread():
+            self._apply_updates()
+        elif wait:
+            done.wait()
+        if box:
+            raise box[0]
+        return new_version
+
+    def pause(self) -> None:
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._lock.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="primerl-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def running_in_thread(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def kv_usage(self) -> float:
+        """Share of KV slots held by running sequences (idle cached prefixes count as free)."""
+        busy = self.kv_slots - len(self.free_slots) - len(self.prefix_cache)
+        return busy / self.kv_slots
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """Synchronous helper (tests, benchmarks): wait for (or drive) this request to the end."""
+        seqs = self.submit(prompt_ids, params)
+        while any(s.finish_reason is None for s in seqs):
+            if self.running_in_thread():
+                time.sleep(0.002)
+            else:
+                self.step()
+        return seqs
+
+    # ---- the loop ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._lock:
+                while not self._stop and not self._updates and (self._paused or not self.has_work()):
+                    self._lock.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    def _apply_updates(self) -> None:
+        while self._updates:
+            apply, version, done, box = self._updates.popleft()
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    apply()
+                self.version = version
+                # idle prefixes were computed by the old weights: do not serve them again
+                for slot in list(self.prefix_cache):
+                    self._release(slot)
+                self.stats.weight_updates += 1
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                box.append(exc)
+            self.stats.last_update_seconds = time.perf_counter() - t0
+            done.set()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One scheduler iteration; see the module docstring."""
+        if self._updates:
+            self._apply_updates()
+        if self._paused:
+            return
+        self._admit()
+        decode = [s for s in self.running if len(s.tokens) - s.cached == 1]
+        prefill = [s for s in self.running if len(s.tokens) - s.cached > 1]
+        if decode:
+            self._forward(decode)
+        if prefill:
+            self._forward(prefill)
+        self.stats.steps += 1
+        self.stats.last_batch_size = len(self.running)
+
+    # ---- scheduling -------------------------------------------------------------------
+    def _allocate(self) -> int | None:
+        if not self.free_slots and self.prefix_cache:
+            self._release(next(iter(self.prefix_cache)))  # evict the least recently used prefix
+        return self.free_slots.pop() if self.free_slots else None
+
+    def _release(self, slot: int) -> None:
+        self.prefix_cache.pop(slot, None)
+        self.prefix_routed.pop(slot, None)
+        self.free_slots.append(slot)
+
+    def _best_prefix(self, tokens: list[int]) -> tuple[int | None, int]:
+        best, best_len = None, 0
+        for slot, cached in self.prefix_cache.items():
+            n = 0
+            for a, b in zip(cached, tokens):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = slot, n
+        return best, best_len
+
+    def _admit(self) -> None:
+        budget = self.max_prefill_tokens
+        with self._lock:
+            while self.waiting and len(self.running) < self.max_batch_size:
+                seq = self.waiting[0]
+                if seq.leader is not None and seq.leader.cached < len(seq.prompt_ids) - 1:
+                    break  # wait until the leader's prompt is in the cache, then copy it
+                need = len(seq.prompt_ids)
+                if need > budget and budget < self.max_prefill_tokens:
+                    break  # this step's prefill budget is spent; keep arrival order
+                slot = self._allocate()
+                if slot is None:
+                    break
+                self.waiting.popleft()
+                seq.slot = slot
+                self._reuse_prefix(seq)
+                budget -= len(seq.prompt_ids) - seq.cached
+                self.running.append(seq)
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Copy the longest cached prefix into the sequence's slot (keep >= 1 token to run)."""
+        limit = len(seq.prompt_ids) - 1
+        if seq.leader is not None and seq.leader.finish_reason is None and seq.leader.slot >= 0:
+            src, n, routed = seq.leader.slot, limit, seq.leader.routed
+        else:
+            src, n = self._best_prefix(seq.prompt_ids)
+            n = min(n, limit)
+            routed = self.prefix_routed.get(src, []) if src is not None else []
+            if src is not None and n > 0:
+                self.prefix_cache.move_to_end(src)
+        if src is None or n <= 0:
+            return
+        self.cache.copy_prefix(src, seq.slot, n)
+        seq.cached = n
+        seq.routed = _take_rows(routed, n)
+        self.stats.prefix_hit_tokens += n
+
+    # ---- running the model ------------------------------------------------------------
+    def _forward(self, seqs: list[Sequence]) -> None:
+        device = self.param.device
+        chunks = [s.tokens[s.cached:] for s in seqs]
+        width = max(len(c) for c in chunks)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        pos = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, (s, c) in enumerate(zip(seqs, chunks)):
+            ids[i, : len(c)] = torch.tensor(c)
+            pos[i, : len(c)] = torch.arange(s.cached, s.cached + len(c))
+        lengths = torch.tensor([len(c) for c in chunks])
+        out = self.model(
+            ids.to(device), pos.to(device), lengths.to(device),
+            cache=self.cache,
+            slots=torch.tensor([s.slot for s in seqs], device=device),
+            past_lens=torch.tensor([s.cached for s in seqs], device=device),
+            logits_for="last",
+        )
+        logits = out.logits  # [B, V]
+        routed = getattr(out, "routed_experts", None)  # [B, S, L, k] or None
+        params = [s.params for s in seqs]
+        tokens, logps = sample(
+            logits,
+            torch.tensor([p.temperature for p in params], device=device),
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            [s.generator for s in seqs],
+        )
+        want_top = max((p.logprobs or 0) for p in params)
+        top = None
+        if want_top:
+            from primerl.sampling import scale
+
+            top = torch.log_softmax(scale(logits, torch.tensor([p.temperature for p in params])), -1).topk(want_top)
+        tokens_l, logps_l = tokens.tolist(), logps.tolist()
+        for i, s in enumerate(seqs):
+            n_new = len(chunks[i])
+            if routed is not None:
+                s.routed.append(routed[i, :n_new].to("cpu", self.routed_dtype))
+            s.cached += n_new
+            s.output_ids.append(tokens_l[i])
+            s.logprobs.append(logps_l[i])
+            s.versions.append(self.version)
+            if top is not None and s.params.logprobs:
+                k = s.params.logprobs
+                s.top_logprobs.append(dict(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist())))
+            self.stats.generated_tokens += 1
+            if len(s.output_ids) == 1:
+                self.stats.prompt_tokens += len(s.prompt_ids)
+            self._check_finished(s)
+
+    def _check_finished(self, s: Sequence) -> None:
+        tok = s.output_ids[-1]
+        p = s.params
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            s.finish_reason = "stop"
+        elif p.stop and self._hit_stop_string(s):
+            s.finish_reason = "stop"
+        elif len(s.output_ids) >= p.max_tokens or len(s.tokens) >= self.max_model_len:
+            s.finish_reason = "length"
+        if s.finish_reason is None:
+            return
+        self.running.remove(s)
+        # keep the slot's KV (all tokens but the last, which was never run) for prefix reuse
+        self.prefix_cache[s.slot] = tuple(s.tokens[: s.cached])
+        self.prefix_routed[s.slot] = list(s.routed)
+        if s.on_done is not None:
+            s.on_done(s)
+
+    def _hit_stop_string(self, s: Sequence) -> bool:
+        text = self.decode(s.output_ids)
+        hits = [text.find(stop) for stop in s.params.stop if stop and stop in text]
+        if hits:
+            s.stop_text_at = min(hits)
+            return True
+        return False
+
+    decode: Callable[[list[int]], str] = staticmethod(lambda ids: "")  # set by the backend
+
+
+def _take_rows(chunks: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The first n rows of a list of [rows, ...] chunks."""
+    out, left = [], n
+    for c in chunks:
+        if left <= 0:
+            break
+        out.append(c[:left])
+        left -= len(c[:left])
+    return out
+
+
+def describe(seq: Sequence) -> dict[str, Any]:
+    """A plain summary of a finished sequence (for logs and tests)."""
+    return {
+        "output_ids": seq.output_ids,
+        "logprobs": seq.logprobs,
+        "versions": seq.versions,
+        "finish_reason": seq.finish_reason,
+    }
