@@ -128,3 +128,19 @@ def test_bad_requests_are_rejected(setup):
         eng.submit([], SamplingParams())
     with pytest.raises(RequestError, match="token ids"):
         eng.submit([10**9], SamplingParams())
+
+
+def test_abort_frees_the_slot_and_leaves_others_running(setup):
+    _, _, model, tok = setup
+    eng = make_engine(model, tok, kv_slots=16)
+    keep = eng.submit(tok.encode("keep"), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    gone = eng.submit(tok.encode("gone"), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, n=3))
+    for _ in range(3):
+        eng.step()
+    free_before = len(eng.free_slots)
+    eng.abort(gone)
+    while eng.has_work():
+        eng.step()
+    assert all(s.finish_reason == "abort" for s in gone)
+    assert keep.finish_reason == "length" and len(keep.output_ids) == 20
+    assert len(eng.free_slots) >= free_before + 3 - 1  # aborted slots are free (keep's is cached)

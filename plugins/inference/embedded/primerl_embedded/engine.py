@@ -135,6 +135,7 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._updates: deque[tuple[Callable[[], None], int, threading.Event, list]] = deque()
+        self._aborts: deque[Sequence] = deque()
         self._paused = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -198,6 +199,25 @@ class Engine:
             raise box[0]
         return new_version
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Stop generating for these sequences (the client went away); frees their slots."""
+        with self._lock:
+            self._aborts.extend(s for s in seqs if s.finish_reason is None)
+            self._lock.notify_all()
+
+    def _apply_aborts(self) -> None:
+        with self._lock:
+            while self._aborts:
+                s = self._aborts.popleft()
+                if s.finish_reason is not None:
+                    continue
+                s.finish_reason = "abort"
+                if s in self.waiting:
+                    self.waiting.remove(s)
+                elif s in self.running:
+                    self.running.remove(s)
+                    self._release(s.slot)
+
     def pause(self) -> None:
         with self._lock:
             self._paused = True
@@ -248,7 +268,9 @@ class Engine:
         torch.set_grad_enabled(False)
         while True:
             with self._lock:
-                while not self._stop and not self._updates and (self._paused or not self.has_work()):
+                while not self._stop and not self._updates and not self._aborts and (
+                    self._paused or not self.has_work()
+                ):
                     self._lock.wait()
                 if self._stop:
                     return
@@ -276,6 +298,8 @@ class Engine:
         """One scheduler iteration; see the module docstring."""
         if self._updates:
             self._apply_updates()
+        if self._aborts:
+            self._apply_aborts()
         if self._paused:
             return
         self._admit()

@@ -76,7 +76,11 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
 
         seqs = engine.submit(prompt_ids, params, on_done=done)
-        await fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            engine.abort(seqs)  # the client went away (or the server is stopping)
+            raise
         return seqs
 
     def params_from(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

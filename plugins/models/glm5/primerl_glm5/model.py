@@ -238,7 +238,8 @@ class _Batch:
             return new
         b, i, slot, pos = self.write_at
         store[slot, pos] = new[b, i].to(store.dtype)
-        return store[self.read_at].to(new.dtype)
+        slots, positions = self.read_at  # [B, T] each; every row reads positions 0..T-1
+        return store[:, : positions.shape[1]].index_select(0, slots[:, 0]).to(new.dtype)  # row copies
 
 
 # ---------------------------------------------------------------------------------------
@@ -356,10 +357,6 @@ class Attention(nn.Module):
         k_rot = batch.keys(k_rot, cache.k_rot[L] if cache else None)  # [B, T, rope]
         T = latent.shape[1]
 
-        kv = self.kv_b_proj(latent).view(B, T, H, -1).transpose(1, 2)  # [B, H, T, nope+v]
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rot[:, None].expand(B, H, T, self.rope_dim)], dim=-1)  # [B, H, T, nope+rope]
-
         if self.indexer is not None:
             mask = self.indexer(x, q_latent, batch, cache.index_k[L] if cache else None)
         elif prev_mask is not None:
@@ -367,10 +364,36 @@ class Attention(nn.Module):
         else:
             raise ValueError("a 'shared' DSA layer needs the selection of a previous 'full' layer")
 
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], scale=self.scaling
-        )  # [B, H, S, v]
+        if cache is not None and S == 1:
+            out = self._absorbed(q_nope, q_rot, latent, k_rot, mask)  # decode: [B, H, 1, v]
+        else:
+            kv = self.kv_b_proj(latent).view(B, T, H, -1).transpose(1, 2)  # [B, H, T, nope+v]
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_rot[:, None].expand(B, H, T, self.rope_dim)], dim=-1)  # [B, H, T, nope+rope]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scaling)  # [B, H, S, v]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim)), mask
+
+    def _absorbed(self, q_nope: Tensor, q_rot: Tensor, latent: Tensor, k_rot: Tensor, mask: Tensor) -> Tensor:
+        """Attention in the latent space, for decode steps (DeepSeek's "weight absorption").
+
+        Expanding every cached latent into per-head keys and values costs
+        T * kv_lora * H * (nope + v) per step; folding ``kv_b_proj`` into the query and the
+        output instead costs H * T * (kv_lora + rope). Same maths, different rounding.
+        q_nope: [B, H, 1, nope]; q_rot: [B, H, 1, rope]; latent: [B, T, kv_lora];
+        k_rot: [B, T, rope]; mask: [B, 1, T]. Returns [B, H, 1, v].
+        """
+        H = self.n_heads
+        w = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, kv_lora], [H, v, kv_lora]
+        # heads play the role of query rows, so every product is a plain bmm (no broadcast copies)
+        q_lat = torch.matmul(q_nope.squeeze(2).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, kv_lora]
+        scores = torch.bmm(q_lat, latent.transpose(1, 2))  # [B, H, T]
+        scores = scores + torch.bmm(q_rot.squeeze(2), k_rot.transpose(1, 2))
+        scores = (scores * self.scaling).masked_fill(~mask, float("-inf"))  # mask [B, 1, T]
+        probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
+        out_lat = torch.bmm(probs, latent)  # [B, H, kv_lora]
+        out = torch.matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, B, v]
+        return out.permute(1, 0, 2).unsqueeze(2)  # [B, H, 1, v]
 
 
 class MLP(nn.Module):
@@ -442,6 +465,9 @@ class Experts(nn.Module):
         Token-expert pairs are sorted by expert; each expert hit runs once on its tokens.
         Each token sums its experts in increasing expert order, as HF does.
         """
+        E = self.gate_up_proj.shape[0]
+        if E <= DENSE_EXPERTS_MAX_RATIO * ids.shape[1]:
+            return self._dense(x, ids, weights, valid)
         out = torch.zeros_like(x)
         tok, slot = valid[:, None].expand_as(ids).nonzero(as_tuple=True)  # pairs of valid tokens
         expert = ids[tok, slot]
@@ -458,6 +484,27 @@ class Experts(nn.Module):
             y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[t, s, None]
             out.index_add_(0, t, y.to(out.dtype))
         return out
+
+
+    def _dense(self, x: Tensor, ids: Tensor, weights: Tensor, valid: Tensor) -> Tensor:
+        """Every expert on every token, then a routing-weighted sum (zero for unchosen experts).
+
+        With few experts per choice (E <= 8 * top_k: small presets) three large matmuls beat
+        a loop of 3 * E small ones, on CPU by far; the result is the same up to rounding.
+        x: [N, hidden]; ids, weights: [N, top_k]; valid: [N]. Returns [N, hidden].
+        """
+        E, two_i, H = self.gate_up_proj.shape
+        N = x.shape[0]
+        combine = torch.zeros(N, E, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
+        combine = combine * valid[:, None]  # [N, E]
+        gate, up = (x @ self.gate_up_proj.reshape(E * two_i, H).t()).view(N, E, two_i).chunk(2, dim=-1)
+        h = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I]
+        y = torch.bmm(h, self.down_proj.transpose(1, 2))  # [E, N, hidden]
+        return (y * combine.t()[:, :, None].to(y.dtype)).sum(0)
+
+
+# Use the dense path when E / top_k is at most this (see Experts._dense).
+DENSE_EXPERTS_MAX_RATIO = 8
 
 
 class MoE(nn.Module):
