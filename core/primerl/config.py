@@ -415,6 +415,18 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
                 f"primerl's {base.__name__}; fix the plugin"
             )
         plugin_classes[section] = cfg_cls
+    # An environment may suggest run settings (max_tokens, SFT warm-up...) via
+    # `run_defaults`; they sit below every file and override the user gives.
+    env_name = raw.get("env", {}).get("name", EnvConfig().name)
+    env_defaults = getattr(reg.load("env", env_name), "run_defaults", None)
+    if env_defaults:
+        merged: dict[str, Any] = {}
+        default_sources: dict[str, str] = {}
+        merge_into(merged, env_defaults, f"the run defaults of env '{env_name}'", default_sources)
+        merge_into(merged, raw, "", {})
+        raw = merged
+        for path, origin in default_sources.items():
+            sources.setdefault(path, origin)
     top = {k: v for k, v in raw.items() if k not in plugin_sections}
     cfg = structure(RunConfig, top, "", sources)
     for section, cls in plugin_classes.items():

@@ -52,6 +52,9 @@ def sample(
         drop_sorted = before > top_p[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         masked = masked.masked_fill(drop, float("-inf"))
+    greedy = scaled.argmax(-1)
+    if not bool((temperature > 0).any()):
+        return greedy, logp.gather(-1, greedy[:, None]).squeeze(-1)
     # Gumbel-max via exponential noise: argmax(p / q), q ~ Exp(1), is a draw from p.
     probs = torch.softmax(masked, dim=-1)
     noise = torch.empty_like(probs).exponential_()
@@ -59,6 +62,5 @@ def sample(
         if g is not None:
             noise[i].exponential_(generator=g)
     drawn = (probs / noise).argmax(-1)
-    greedy = scaled.argmax(-1)
     tokens = torch.where(temperature > 0, drawn, greedy)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -55,6 +55,7 @@ class Group:
     start_version: int
     samples: list[dict[str, Any]] = attrs.Factory(list)
     tokens: int = 0
+    cancelled: bool = False
 
     @property
     def oldest_version(self) -> int:
@@ -259,7 +260,8 @@ class Orchestrator:
     def cancel_hopeless(self, next_batch: int) -> None:
         """Cancel in-flight groups that would be too stale even for the next batch."""
         for job, group in list(self.in_flight.items()):
-            if (next_batch - 1) - group.start_version > self.o.max_off_policy_steps:
+            if not group.cancelled and (next_batch - 1) - group.start_version > self.o.max_off_policy_steps:
+                group.cancelled = True
                 job.cancel()
                 self.started -= 1
 

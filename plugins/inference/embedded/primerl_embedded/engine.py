@@ -376,18 +376,17 @@ class Engine:
     def _forward(self, seqs: list[Sequence]) -> None:
         device = self.param.device
         chunks = [s.tokens[s.cached:] for s in seqs]
-        width = max(len(c) for c in chunks)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        pos = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, (s, c) in enumerate(zip(seqs, chunks)):
-            ids[i, : len(c)] = torch.tensor(c)
-            pos[i, : len(c)] = torch.arange(s.cached, s.cached + len(c))
-        lengths = torch.tensor([len(c) for c in chunks])
+        lens = [len(c) for c in chunks]
+        width = max(lens)
+        ids = torch.tensor([c + [0] * (width - len(c)) for c in chunks])  # [B, S] right-padded
+        past = torch.tensor([s.cached for s in seqs])
+        pos = past[:, None] + torch.arange(width)[None, :]  # [B, S]
+        lengths = torch.tensor(lens)
         out = self.model(
             ids.to(device), pos.to(device), lengths.to(device),
             cache=self.cache,
             slots=torch.tensor([s.slot for s in seqs], device=device),
-            past_lens=torch.tensor([s.cached for s in seqs], device=device),
+            past_lens=past.to(device),
             logits_for="last",
         )
         logits = out.logits  # [B, V]
@@ -407,10 +406,12 @@ class Engine:
 
             top = torch.log_softmax(scale(logits, torch.tensor([p.temperature for p in params])), -1).topk(want_top)
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
+        if routed is not None:
+            routed = routed.to("cpu", self.routed_dtype)  # one conversion, then per-row views
         for i, s in enumerate(seqs):
-            n_new = len(chunks[i])
+            n_new = lens[i]
             if routed is not None:
-                s.routed.append(routed[i, :n_new].to("cpu", self.routed_dtype))
+                s.routed.append(routed[i, :n_new])
             s.cached += n_new
             s.output_ids.append(tokens_l[i])
             s.logprobs.append(logps_l[i])

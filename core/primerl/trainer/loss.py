@@ -1,0 +1,150 @@
+"""RL losses and advantage estimators, pluggable by name.
+
+What: ``LOSSES`` and ``ADVANTAGES`` map names to functions; a config may also name any
+importable function as ``"module:attr"`` (``--trainer.loss my_pkg.losses:clipped``,
+``--orchestrator.advantage my_pkg.adv:rloo``), so a new objective needs no fork.
+
+Why this module is light: the orchestrator imports :func:`compute_advantages` and must
+not pay for torch, so torch is imported only inside the loss functions.
+
+The loss contract (what a custom ``trainer.loss`` implements)::
+
+    loss_fn(logprobs, inference_logprobs, advantages, loss_mask, *, config, normalizer)
+        -> (loss, metrics)
+
+* ``logprobs`` [N] float32 with grad: the trainer's log p(token) (primerl.sampling.token_logprobs);
+* ``inference_logprobs``, ``advantages`` [N] float32; ``loss_mask`` [N] bool;
+* ``config``: the ``TrainerConfig``; ``normalizer``: the number of loss tokens in the
+  whole optimizer step (the trainer calls the function once per packed row and sums);
+* ``loss``: a scalar already divided by ``normalizer``;
+* ``metrics``: dict of *token sums* over this call's loss tokens (scalar tensors or
+  floats); the trainer adds them over rows and divides by the step's loss tokens.
+
+The advantage contract: ``fn(rewards: list[float]) -> list[float]`` for one group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
+
+# --------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------
+
+
+def default_loss(
+    logprobs: Tensor,  # [N] trainer log p, requires grad
+    inference_logprobs: Tensor,  # [N] engine log p
+    advantages: Tensor,  # [N]
+    loss_mask: Tensor,  # [N] bool
+    *,
+    config: Any,
+    normalizer: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """prime-rl's importance-ratio loss with probability-difference masking.
+
+    r = exp(lp_train - lp_infer). A token is masked (no gradient) when its probability has
+    already moved more than ``mask_threshold`` in the direction its advantage pushes:
+    A > 0 and p_train - p_infer > thr, or A < 0 and p_infer - p_train > thr. A kept token
+    costs ``-A * r + kl_coef * (log r)^2``. The sum is divided by ``normalizer`` (the loss
+    tokens of the step, masked ones included).
+
+    Metrics (token sums): ``mismatch_kl`` (k3 = r - log r - 1, the KL between engine and
+    trainer on the sampled tokens) and ``masked_fraction`` (number of masked tokens).
+    """
+    import torch
+
+    log_ratio = logprobs - inference_logprobs  # [N]
+    with torch.no_grad():
+        delta = logprobs.exp() - inference_logprobs.exp()  # p_train - p_infer
+        thr = config.mask_threshold
+        moved = ((advantages > 0) & (delta > thr)) | ((advantages < 0) & (-delta > thr))
+        keep = loss_mask & ~moved
+    # Zero the log-ratio of dropped tokens *before* exp, so a huge ratio on a masked or
+    # prompt token cannot turn into inf * 0 = nan in the backward.
+    kept_log_ratio = torch.where(keep, log_ratio, torch.zeros_like(log_ratio))
+    ratio = kept_log_ratio.exp()
+    per_token = -advantages * ratio + config.kl_coef * kept_log_ratio.square()  # [N]
+    loss = torch.where(keep, per_token, torch.zeros_like(per_token)).sum() / normalizer
+    with torch.no_grad():
+        lr = torch.where(loss_mask, log_ratio, torch.zeros_like(log_ratio))
+        k3 = lr.exp() - lr - 1  # 0 where loss_mask is 0
+        metrics = {
+            "mismatch_kl": k3.sum(),
+            "masked_fraction": (moved & loss_mask).sum().float(),
+        }
+    return loss, metrics
+
+
+LossFn = Callable[..., tuple[Any, dict[str, Any]]]
+LOSSES: dict[str, LossFn] = {"default": default_loss}
+
+
+# --------------------------------------------------------------------------------------
+# Advantages (pure Python: the orchestrator uses them without torch)
+# --------------------------------------------------------------------------------------
+
+
+def grpo(rewards: list[float]) -> list[float]:
+    """Reward minus the group mean (Dr. GRPO: no division by the std)."""
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def grpo_std(rewards: list[float]) -> list[float]:
+    """(reward - group mean) / (group std + 1e-6), std over the group (population, ddof=0)."""
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + 1e-6) for r in rewards]
+
+
+AdvantageFn = Callable[[list[float]], list[float]]
+ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "grpo_std": grpo_std}
+
+
+# --------------------------------------------------------------------------------------
+# Lookup by name
+# --------------------------------------------------------------------------------------
+
+
+def resolve(name: str, table: dict[str, Callable], what: str) -> Callable:
+    """A built-in by name, or any function given as ``"module:attr"``."""
+    if name in table:
+        return table[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"{what} {name!r} could not be loaded: {type(exc).__name__}: {exc}") from None
+        if not callable(obj):
+            raise ValueError(f"{what} {name!r} is not callable")
+        return obj
+    raise ValueError(
+        f"unknown {what} {name!r}: choose one of {', '.join(sorted(table))}, "
+        f"or give a function as 'module:attr'"
+    )
+
+
+def get_loss(name: str) -> LossFn:
+    return resolve(name, LOSSES, "trainer.loss")
+
+
+def compute_advantages(rewards: list[float], name: str = "grpo") -> list[float]:
+    """Advantages of one group of rollouts (same prompt), by estimator name."""
+    rewards = [float(r) for r in rewards]
+    if not rewards:
+        return []
+    out = [float(a) for a in resolve(name, ADVANTAGES, "orchestrator.advantage")(rewards)]
+    if len(out) != len(rewards):
+        raise ValueError(f"advantage {name!r} returned {len(out)} values for {len(rewards)} rewards")
+    return out

@@ -1,0 +1,1 @@
+"""The local launcher for primerl."""

@@ -1,0 +1,177 @@
+"""The local launcher: one machine, three processes, a live view, a clean exit.
+
+``primerl run`` resolves the config, writes it to ``OUTPUT_DIR/config.toml`` and hands
+it here. We start ``primerl inference``, ``primerl orchestrator`` and ``primerl trainer``
+as separate processes (each reads that file), send each one's output to
+``OUTPUT_DIR/logs/<name>.log``, and follow ``OUTPUT_DIR/metrics.jsonl`` to draw a live
+view. The run ends when the trainer finishes its last step.
+
+No orphans, whatever happens: each child runs in its own process group (so its own
+children go with it) and asks the kernel to SIGTERM it if the launcher dies. On Ctrl-C,
+SIGTERM or a crashing child we stop all children — SIGTERM, then SIGKILL after a grace
+period — and say why.
+
+CPU threads: the three processes share the machine, so each child gets an even share
+of the cores (``OMP_NUM_THREADS``); oversubscribed OpenMP threads spin and can make
+torch tens of times slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from primerl.config import RunConfig, dump_toml, to_dict
+
+CHILDREN = ("inference", "orchestrator", "trainer")
+GRACE_SECONDS = 10.0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    os.setsid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Interrupted(Exception):
+    pass
+
+
+class LocalLauncher:
+    """Runs a whole RL job on this machine."""
+
+    def launch(self, cfg: RunConfig) -> int:
+        out = Path(cfg.output_dir).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "logs").mkdir(exist_ok=True)
+        if (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists():
+            (out / "metrics.jsonl").rename(out / f"metrics.{int(time.time())}.jsonl")  # keep the old run's
+        if cfg.inference.port == 0 or not _port_free(cfg.inference.host, cfg.inference.port):
+            cfg.inference.port = _free_port(cfg.inference.host)
+        cfg.output_dir = str(out)
+        (out / "config.toml").write_text(dump_toml(to_dict(cfg)))
+
+        procs: dict[str, subprocess.Popen] = {}
+        threads = str(max(1, (os.cpu_count() or 2) // 2))
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+
+        def on_signal(signum, _frame):
+            raise Interrupted(signal.Signals(signum).name)
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        from primerl_local.view import LiveView
+
+        view = LiveView(cfg, out)
+        code = 0
+        try:
+            for name in CHILDREN:
+                log = open(out / "logs" / f"{name}.log", "w")
+                procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "primerl.cli", name, "@", str(out / "config.toml")],
+                    stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent, cwd=os.getcwd(),
+                )
+            with view:
+                while True:
+                    view.refresh()
+                    if procs["trainer"].poll() == 0:
+                        break
+                    failed = [(n, p.returncode) for n, p in procs.items() if p.poll() not in (None, 0)]
+                    early = [n for n, p in procs.items() if p.poll() == 0 and n == "inference"]
+                    if failed or early:
+                        name, rc = failed[0] if failed else (early[0], 0)
+                        view.stop()
+                        self._stop_all(procs)
+                        print(f"\nerror: the {name} process exited with code {rc}; stopped the others.", file=sys.stderr)
+                        print(_tail(out / "logs" / f"{name}.log"), file=sys.stderr)
+                        print(f"Full log: {out / 'logs' / f'{name}.log'}", file=sys.stderr)
+                        return 1
+                    time.sleep(0.5)
+            view.refresh()
+        except Interrupted as exc:
+            view.stop()
+            print(f"\n{exc.args[0]}: stopping inference, orchestrator and trainer...", file=sys.stderr)
+            self._stop_all(procs)
+            print(f"stopped; everything written so far is in {out}", file=sys.stderr)
+            return 130
+        finally:
+            self._stop_all(procs)
+            for s, h in old.items():
+                signal.signal(s, h)
+        self._summary(cfg, out, view)
+        return code
+
+    @staticmethod
+    def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+        live = {n: p for n, p in procs.items() if p.poll() is None}
+        for p in live.values():
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + GRACE_SECONDS
+        for p in live.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in live.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+
+    def _summary(self, cfg: RunConfig, out: Path, view: Any) -> None:
+        from primerl_local.view import plot_rewards, read_metrics
+
+        rows = read_metrics(out / "metrics.jsonl")
+        png = plot_rewards(rows, out / "reward.png") if rows else None
+        print()
+        if rows:
+            first = [r["reward/mean"] for r in rows[:10]]
+            last = [r["reward/mean"] for r in rows[-10:]]
+            print(f"reward: first 10 steps {sum(first) / len(first):.3f} -> last 10 steps {sum(last) / len(last):.3f}")
+        print(f"run directory:  {out}")
+        print(f"  metrics:      {out / 'metrics.jsonl'}")
+        if png:
+            print(f"  reward curve: {png}")
+        print(f"  weights:      {out / 'weights'}")
+        print(f"  checkpoints:  {out / 'checkpoints'}")
+        print(f"  rollouts:     {out / 'rollouts'}")
+        print(f"  logs:         {out / 'logs'}")
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+

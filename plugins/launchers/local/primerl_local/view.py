@@ -1,0 +1,113 @@
+"""The live view of a run (rich) and the reward plot drawn at the end (matplotlib)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from primerl.config import RunConfig
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # the line being written right now
+    return rows
+
+
+class LiveView:
+    """A table of the latest step, refreshed from metrics.jsonl; plain lines when not a TTY."""
+
+    def __init__(self, cfg: RunConfig, out: Path):
+        self.cfg, self.out = cfg, out
+        self.console = Console()
+        self.live = Live(console=self.console, refresh_per_second=2, transient=False) if self.console.is_terminal else None
+        self.t0 = time.monotonic()
+        self.printed = 0
+
+    def __enter__(self) -> LiveView:
+        if self.live:
+            self.live.start()
+        self.console.print(f"primerl run: model {self.cfg.model.name}, env {self.cfg.env.name}, "
+                           f"{self.cfg.max_steps} steps -> {self.out}")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.live and self.live.is_started:
+            self.live.stop()
+
+    def refresh(self) -> None:
+        rows = read_metrics(self.out / "metrics.jsonl")
+        if self.live:
+            self.live.update(self._table(rows))
+        else:
+            for r in rows[self.printed:]:
+                self.console.print(self._line(r), highlight=False)
+            self.printed = len(rows)
+
+    def _eta(self, rows: list[dict[str, Any]]) -> str:
+        if not rows:
+            return "-"
+        step = rows[-1]["step"]
+        per_step = (time.monotonic() - self.t0) / max(step, 1)
+        return f"{per_step * (self.cfg.max_steps - step):.0f}s"
+
+    def _line(self, r: dict[str, Any]) -> str:
+        return (f"step {r['step']:>4}/{self.cfg.max_steps}  reward {r.get('reward/mean', 0):.3f}  "
+                f"tok/s {r.get('throughput/tokens_per_s', 0):.0f}  staleness {r.get('off_policy/max', 0)}  "
+                f"dropped {r.get('dropped_stale', 0)}  mismatch_kl {r.get('mismatch_kl', 0):.2e}  "
+                f"step {r.get('time/step', 0):.2f}s")
+
+    def _table(self, rows: list[dict[str, Any]]) -> Table:
+        t = Table(title=f"primerl: {self.cfg.model.name} on {self.cfg.env.name}  ({time.monotonic() - self.t0:.0f}s)")
+        for col in ("step", "reward", "tokens/s", "staleness", "dropped", "mismatch KL", "step time", "ETA"):
+            t.add_column(col, justify="right")
+        for r in rows[-8:]:
+            t.add_row(f"{r['step']}/{self.cfg.max_steps}", f"{r.get('reward/mean', 0):.3f}",
+                      f"{r.get('throughput/tokens_per_s', 0):.0f}", str(r.get("off_policy/max", 0)),
+                      str(r.get("dropped_stale", 0)), f"{r.get('mismatch_kl', 0):.2e}",
+                      f"{r.get('time/step', 0):.2f}s", self._eta(rows))
+        if not rows:
+            t.add_row("starting", "", "", "", "", "", "", "")
+        return t
+
+
+def plot_rewards(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    reward = [r["reward/mean"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, reward, label="mean reward", color="tab:blue")
+    if len(reward) >= 5:
+        w = 5
+        smooth = [sum(reward[max(0, i - w + 1): i + 1]) / len(reward[max(0, i - w + 1): i + 1]) for i in range(len(reward))]
+        ax.plot(steps, smooth, label="5-step average", color="tab:orange")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title("primerl: reward per step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

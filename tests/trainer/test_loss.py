@@ -1,0 +1,107 @@
+"""The default loss and the advantage estimators, against hand computations."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from primerl.config import TrainerConfig
+from primerl.trainer.loss import (
+    ADVANTAGES,
+    LOSSES,
+    compute_advantages,
+    default_loss,
+    get_loss,
+)
+
+# (p_train, p_infer, advantage, loss_mask) with mask_threshold 0.2:
+ROWS = [
+    (0.5, 0.4, +1.0, 1),  # kept: moved up 0.1 <= 0.2
+    (0.9, 0.5, +1.0, 1),  # masked: A > 0 and p went up by 0.4 > 0.2
+    (0.1, 0.6, -1.0, 1),  # masked: A < 0 and p went down by 0.5 > 0.2
+    (0.6, 0.3, -2.0, 1),  # kept: A < 0 but p went *up* (against the advantage)
+    (0.2, 0.7, +1.0, 1),  # kept: A > 0 but p went *down*
+    (0.9, 1.0, +1.0, 0),  # not a loss token (prompt): inference logprob 0.0
+]
+
+
+def _inputs():
+    lp = torch.tensor([math.log(r[0]) for r in ROWS], requires_grad=True)
+    lp_inf = torch.tensor([math.log(r[1]) for r in ROWS])
+    adv = torch.tensor([r[2] for r in ROWS])
+    mask = torch.tensor([bool(r[3]) for r in ROWS])
+    return lp, lp_inf, adv, mask
+
+
+def test_default_loss_by_hand():
+    cfg = TrainerConfig(mask_threshold=0.2, kl_coef=0.1)
+    lp, lp_inf, adv, mask = _inputs()
+    loss, metrics = default_loss(lp, lp_inf, adv, mask, config=cfg, normalizer=5.0)
+
+    def term(p, q, a):  # -A r + kl (log r)^2
+        return -a * (p / q) + 0.1 * math.log(p / q) ** 2
+
+    expected = (term(0.5, 0.4, 1.0) + term(0.6, 0.3, -2.0) + term(0.2, 0.7, 1.0)) / 5
+    assert expected == pytest.approx((-1.25 + 0.1 * math.log(1.25) ** 2 + 4 + 0.1 * math.log(2) ** 2
+                                      - 2 / 7 + 0.1 * math.log(2 / 7) ** 2) / 5)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert float(metrics["masked_fraction"]) == 2  # a token sum: the trainer divides by 5
+    k3 = sum(p / q - math.log(p / q) - 1 for p, q, _, m in ROWS if m)
+    assert float(metrics["mismatch_kl"]) == pytest.approx(k3, rel=1e-5)
+
+    # gradient: d/d lp of (-A r + c (log r)^2) / N = (-A r + 2 c log r) / N on kept tokens, 0 elsewhere
+    loss.backward()
+    want = [(-a * (p / q) + 2 * 0.1 * math.log(p / q)) / 5 if i in (0, 3, 4) else 0.0
+            for i, (p, q, a, _) in enumerate(ROWS)]
+    torch.testing.assert_close(lp.grad, torch.tensor(want), rtol=1e-5, atol=1e-7)
+    # descent raises the logprob of kept positive-advantage tokens and lowers negative ones
+    assert lp.grad[0] < 0 and lp.grad[4] < 0 and lp.grad[3] > 0
+
+
+def test_no_kl_and_identical_policies():
+    cfg = TrainerConfig(kl_coef=0.0)
+    lp = torch.log(torch.tensor([0.3, 0.6, 0.9])).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    mask = torch.tensor([True, True, True])
+    loss, metrics = default_loss(lp, lp.detach().clone(), adv, mask, config=cfg, normalizer=3.0)
+    assert loss.item() == pytest.approx(-(1 - 1 + 0.5) / 3)  # r = 1 everywhere
+    assert float(metrics["mismatch_kl"]) == pytest.approx(0.0, abs=1e-7)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -adv / 3)  # the policy gradient: -A / N
+
+
+def test_huge_ratio_on_masked_token_gives_no_nan():
+    cfg = TrainerConfig()
+    lp = torch.tensor([-0.01, -0.5], requires_grad=True)
+    lp_inf = torch.tensor([-200.0, -0.5])  # ratio e^200 = inf in float32, but masked (A > 0, moved up)
+    loss, _ = default_loss(lp, lp_inf, torch.tensor([1.0, 1.0]), torch.tensor([True, True]),
+                           config=cfg, normalizer=2.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and lp.grad[0] == 0
+
+
+def test_advantages_by_hand():
+    assert compute_advantages([1.0, 0.0, 0.0, 1.0], "grpo") == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    assert compute_advantages([0.2, 0.4, 0.9], "grpo") == pytest.approx([-0.3, -0.1, 0.4])
+    std = 0.5  # population std of [1, 0, 0, 1]
+    assert compute_advantages([1.0, 0.0, 0.0, 1.0], "grpo_std") == pytest.approx(
+        [0.5 / (std + 1e-6), -0.5 / (std + 1e-6), -0.5 / (std + 1e-6), 0.5 / (std + 1e-6)]
+    )
+    assert compute_advantages([0.7, 0.7], "grpo_std") == [0.0, 0.0]  # no signal, no blow-up
+    assert compute_advantages([], "grpo") == []
+    assert set(ADVANTAGES) == {"grpo", "grpo_std"} and "default" in LOSSES
+
+
+def test_custom_by_module_attr_and_errors():
+    assert compute_advantages([1.0, 3.0], "primerl.trainer.loss:grpo") == [-1.0, 1.0]
+    assert get_loss("primerl.trainer.loss:default_loss") is default_loss
+    with pytest.raises(ValueError, match="grpo, grpo_std"):
+        compute_advantages([1.0], "rloo")
+    with pytest.raises(ValueError, match="could not be loaded"):
+        get_loss("no_such_module_xyz:f")
+
+
+def test_loss_module_imports_no_torch():
+    code = "import sys, primerl.trainer.loss as l; l.compute_advantages([1.0, 0.0]); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
