@@ -93,7 +93,7 @@ class OrchestratorConfig:
     max_tokens: int = attrs.field(default=64, validator=_positive)
     temperature: float = attrs.field(default=1.0, validator=_non_negative)
     top_p: float = 1.0
-    max_concurrent: int = attrs.field(default=64, validator=_positive)
+    max_concurrent: int = attrs.field(default=256, validator=_positive)  # samples in flight
     async_level: int = attrs.field(default=1, validator=_non_negative)
     max_off_policy_steps: int = attrs.field(default=8, validator=_non_negative)
     advantage: str = "grpo"

@@ -117,3 +117,34 @@ def test_weight_update_from_hf_checkpoint(server, tmp_path):
     assert r.json()["policy_version"] == 1
     out = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60).json()
     assert out["choices"][0]["policy_versions"] == [1, 1, 1]
+
+
+def test_weight_update_during_a_rollout_is_recorded_in_its_version_span(server, tmp_path):
+    """A request in flight when new weights land finishes, and its tokens show both versions."""
+    import threading
+
+    from primerl.models import ModelConfig
+    from primerl.registry import get_registry
+
+    adapter = get_registry().load("model", "glm5")()
+    cfg = ModelConfig(name="glm5", preset="tiny", seed=11)
+    adapter.save_checkpoint(adapter.build(cfg), tmp_path / "step_2")
+    before = httpx.get(server + "/health").json()["policy_version"]
+    result = {}
+
+    def long_rollout():
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 200, "ignore_eos": True,
+                "temperature": 1.0, "seed": 1}
+        result["r"] = httpx.post(server + "/v1/chat/completions", json=body, timeout=120).json()
+
+    t = threading.Thread(target=long_rollout)
+    t.start()
+    time.sleep(0.3)  # let it start decoding
+    r = httpx.post(server + "/admin/weights", json={"path": str(tmp_path / "step_2"), "version": before + 1},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    t.join()
+    versions = result["r"]["choices"][0]["policy_versions"]
+    assert len(versions) == 200 and result["r"]["choices"][0]["finish_reason"] == "length"
+    assert versions[0] == before and versions[-1] == before + 1
+    assert versions == sorted(versions)

@@ -26,13 +26,23 @@ def _check_dtype(_inst: Any, attribute: attrs.Attribute, value: str) -> None:
         raise ValueError(f"{attribute.name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
+def _check_checkpoint(_inst: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    import os
+
+    if value is not None and not os.path.isdir(value):
+        raise ValueError(
+            f"{attribute.name} must be a local HF checkpoint directory (config.json + *.safetensors); "
+            f"'{value}' is not a directory"
+        )
+
+
 @attrs.define(kw_only=True)
 class ModelConfig:
     """The ``[model]`` section shared by every model plugin (plugins may subclass it)."""
 
     name: str = "glm5"
     preset: str = "tiny"
-    checkpoint: str | None = None
+    checkpoint: str | None = attrs.field(default=None, validator=_check_checkpoint)
     dtype: str = attrs.field(default="float32", validator=_check_dtype)
     seed: int = 0
 

@@ -29,6 +29,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,9 @@ class Orchestrator:
         self.tokens_since_batch = 0
         self.version_changed = asyncio.Event()
         self.tasks = self._task_stream()
+        # rewards may call slow verifiers; one thread per in-flight sample keeps them overlapped
+        self.scorer = ThreadPoolExecutor(max_workers=max(self.o.max_concurrent, self.o.group_size),
+                                         thread_name_prefix="score")
 
     def _task_stream(self) -> Iterator[Task]:
         rng = random.Random(self.cfg.seed)
@@ -191,11 +195,14 @@ class Orchestrator:
         }
         resp = await self.client.chat(body)
         prompt_ids = resp["prompt_token_ids"]
-        for choice in resp["choices"]:
-            completion = choice["message"]["content"] or ""
+        loop = asyncio.get_running_loop()
+        rewards = await asyncio.gather(*(  # score the group's samples concurrently
+            loop.run_in_executor(self.scorer, self.env.score, group.task, c["message"]["content"] or "")
+            for c in resp["choices"]
+        ))
+        for choice, reward in zip(resp["choices"], rewards):
             ids = choice["token_ids"]
             logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-            reward = await asyncio.to_thread(self.env.score, group.task, completion)
             n_prompt = len(prompt_ids)
             group.samples.append({
                 "tokens": prompt_ids + ids,
@@ -274,6 +281,7 @@ class Orchestrator:
             for job in [*jobs, *self.in_flight]:
                 job.cancel()
             await asyncio.gather(*jobs, *self.in_flight, return_exceptions=True)
+            self.scorer.shutdown(wait=False, cancel_futures=True)
 
 
 def write_batch(path: Path, batch: dict[str, Any]) -> None:

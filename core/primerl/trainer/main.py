@@ -407,6 +407,7 @@ def main(cfg: RunConfig) -> None:
 
     keep = cfg.orchestrator.max_off_policy_steps + 2
     replay_warned = False
+    last_end = None
     for n in range(start + 1, cfg.max_steps + 1):
         path = out / "rollouts" / f"{step_name(n)}.pt"
         t_wait = time.perf_counter()
@@ -432,14 +433,17 @@ def main(cfg: RunConfig) -> None:
             "policy_version": n,
             **stats,
             "lr": lr,
-            "time/step": step_s,
+            "time/step": t_end - (last_end if last_end is not None else t_wait),  # wall time of this step
+            "time/train": step_s,  # the trainer's own compute, batch in hand to weights published
             "time/wait": t_start - t_wait,
+            "time/end": time.time(),
             "trainer/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
             "trainer/tokens": packed.num_tokens,
             "trainer/loss_tokens": packed.num_loss_tokens,
             "trainer/rows": packed.num_rows,
         }
         append_metrics(out, record)
+        last_end = t_end
         log(f"step {n}/{cfg.max_steps} samples {len(samples)} rows {packed.num_rows} tokens {packed.num_tokens} "
             f"loss {stats['loss']:.4f} mismatch_kl {stats['mismatch_kl']:.2e} masked {stats['masked_fraction']:.3f} "
             f"grad_norm {stats['grad_norm']:.3f} lr {lr:.2e} step {step_s:.2f}s wait {t_start - t_wait:.2f}s")

@@ -1,0 +1,93 @@
+"""`primerl run` end to end, as a user runs it: real processes, a real run directory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--sft.steps", "0", "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
+         "--orchestrator.max_tokens", "8", "--trainer.seq_len", "256"]
+
+
+def descendants(pid: int) -> set[int]:
+    """All processes below pid (read from /proc, no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in found:
+                found.add(c)
+                todo.append(c)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+def test_third_party_env_trains_three_steps(venv, tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([str(venv), "-m", "primerl.cli", "run", "--model", "glm5", "--env", "echo-digits",
+                        "--max-steps", "3", "--output-dir", str(out), *SMALL],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for key in ("step", "reward/mean", "policy_version", "off_policy/max", "dropped_stale", "mismatch_kl",
+                "time/step", "throughput/tokens_per_s"):
+        assert key in rows[-1], key
+    assert (out / "reward.png").stat().st_size > 0
+    assert (out / "weights" / "step_000003" / "STABLE").exists()
+    assert "reward curve" in r.stdout
+
+
+def test_ctrl_c_stops_every_child(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                             "--max-steps", "1000", "--output-dir", str(out), *SMALL],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    kids: set[int] = set()
+    while time.time() < deadline:  # wait until training is under way: all three children live
+        kids |= descendants(proc.pid)
+        if (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip():
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    kids |= descendants(proc.pid)
+    assert len(kids) >= 3
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "stopping inference, orchestrator and trainer" in err
+    time.sleep(0.5)
+    assert [k for k in kids if alive(k)] == []
+
+
+def test_a_crashing_child_stops_the_run_with_a_clear_message(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                        "--max-steps", "2", "--output-dir", str(out), *SMALL,
+                        "--trainer.seq_len", "16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert "the trainer process exited with code" in r.stderr and "stopped the others" in r.stderr
+    assert "seq_len" in r.stderr  # the log tail says what went wrong
+    assert "Traceback" not in r.stderr.split("Full log")[0].splitlines()[0]
