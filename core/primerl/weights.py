@@ -57,11 +57,16 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str | Path, writable: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) views into the memory-mapped file(s); no copies are made."""
     for file in safetensors_files(path):
-        with open(file, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with open(file, "r+b" if writable else "rb") as f:
+            # private + writable: tensors may become parameters that are later written in
+            # place (copy-on-write keeps the file and the trainer's view untouched)
+            if writable:
+                mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            else:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         (header_len,) = struct.unpack("<Q", mm[:8])
         header = json.loads(mm[8 : 8 + header_len])
         base = 8 + header_len
@@ -80,10 +85,16 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, flat.view(meta["shape"])
 
 
-def load_into(model: torch.nn.Module, path: str | Path, strict: bool = True) -> int:
-    """Copy a checkpoint into ``model``'s parameters in place. Returns bytes copied."""
+def stage(model: torch.nn.Module, path: str | Path, strict: bool = True,
+          writable: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Map a checkpoint and pair each tensor with the parameter it replaces; nothing is copied.
+
+    Everything that can fail (missing file, unknown or missing names, wrong shapes) fails
+    here, before the served weights are touched. Run it outside the engine's step gap.
+    ``writable`` maps copy-on-write, as :func:`adopt` needs.
+    """
     targets = dict(model.state_dict(keep_vars=True))
-    tensors = dict(iter_safetensors(path))
+    tensors = dict(iter_safetensors(path, writable=writable))
     unknown = sorted(set(tensors) - set(targets))
     missing = sorted(set(targets) - set(tensors)) if strict else []
     bad_shape = [n for n, t in tensors.items() if n in targets and tuple(t.shape) != tuple(targets[n].shape)]
@@ -97,12 +108,44 @@ def load_into(model: torch.nn.Module, path: str | Path, strict: bool = True) -> 
             n = bad_shape[0]
             parts.append(f"shape mismatch for {n}: {tuple(tensors[n].shape)} vs {tuple(targets[n].shape)}")
         raise WeightsError(f"checkpoint '{path}' does not fit the served model: " + "; ".join(parts))
+    return [(targets[name], t) for name, t in tensors.items()]  # the Parameter/buffer itself
+
+
+def apply(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Copy staged tensors into their parameters (the only part that needs the step gap)."""
     copied = 0
     with torch.no_grad():
-        for name, t in tensors.items():
-            targets[name].data.copy_(t)
-            copied += t.numel() * t.element_size()
+        for dst, src in pairs:
+            dst.copy_(src)
+            copied += src.numel() * src.element_size()
     return copied
+
+
+def adopt(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Point parameters at the mapped tensors instead of copying (same-machine CPU serving).
+
+    The co-located channel at its floor: the update is a pointer swap per tensor, and the
+    pages are shared with the file in /dev/shm (no second copy of the weights in RAM).
+    Tensors that cannot be adopted (other dtype or device, or storage shared by several
+    parameters) are copied. Needs ``stage(..., writable=True)``. Returns bytes copied.
+    """
+    shared: dict[int, int] = {}
+    for dst, _ in pairs:
+        shared[dst.data_ptr()] = shared.get(dst.data_ptr(), 0) + 1
+    copied = 0
+    with torch.no_grad():
+        for dst, src in pairs:
+            if dst.dtype == src.dtype and dst.device.type == "cpu" and shared[dst.data_ptr()] == 1:
+                dst.data = src
+            else:
+                dst.copy_(src)
+                copied += src.numel() * src.element_size()
+    return copied
+
+
+def load_into(model: torch.nn.Module, path: str | Path, strict: bool = True) -> int:
+    """Copy a checkpoint into ``model``'s parameters in place. Returns bytes copied."""
+    return apply(stage(model, path, strict))
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:

@@ -144,3 +144,34 @@ def test_abort_frees_the_slot_and_leaves_others_running(setup):
     assert all(s.finish_reason == "abort" for s in gone)
     assert keep.finish_reason == "length" and len(keep.output_ids) == 20
     assert len(eng.free_slots) >= free_before + 3 - 1  # aborted slots are free (keep's is cached)
+
+
+def test_shm_channel_adopts_mapped_weights_and_rejects_bad_files(setup, tmp_path):
+    """The co-located channel: validate first, then swap in the mapped tensors."""
+    import copy
+
+    from primerl.weights import WeightsError, adopt, stage, write_safetensors
+
+    adapter, _, model, tok = setup
+    model = copy.deepcopy(model)
+    new = adapter.build(ModelConfig(name="glm5", preset="tiny", seed=42)).state_dict()
+    path = tmp_path / "w.safetensors"
+    write_safetensors(new, path)
+    bad = tmp_path / "bad.safetensors"
+    write_safetensors({k: v for k, v in list(new.items())[1:]}, bad)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(WeightsError, match="missing tensor"):
+        stage(model, bad, writable=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # untouched
+    copied = adopt(stage(model, path, writable=True))
+    assert copied == 0  # same dtype on CPU: every tensor adopted, nothing copied
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in new.items())
+    # adopted tensors are copy-on-write: a later in-place update leaves the file intact
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    from primerl.weights import iter_safetensors
+
+    first_name = next(iter(model.state_dict()))
+    assert torch.equal(dict(iter_safetensors(path))[first_name], new[first_name])
+    eng = make_engine(model, tok)
+    assert len(eng.generate(tok.encode("hi"), SamplingParams(max_tokens=4, temperature=0))[0].output_ids) == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from primerl.config import RunConfig
@@ -44,12 +45,16 @@ class EmbeddedBackend:
         a single safetensors file (the co-located /dev/shm channel) holds our own layout."""
         from pathlib import Path
 
-        from primerl.weights import load_into
+        from primerl.weights import adopt, stage
 
-        def load(path: str) -> Any:
+        def load(path: str) -> Callable[[], Any]:
+            """Prepare outside the step gap; return what must run inside it."""
             if Path(path).is_dir():
-                return adapter.load_checkpoint(engine.model, path)
-            return load_into(engine.model, path)
+                return lambda: adapter.load_checkpoint(engine.model, path)
+            # one safetensors file (/dev/shm): map and validate while the engine decodes,
+            # then adopt the mapped tensors in the step gap (copies only where it must)
+            pairs = stage(engine.model, path, writable=True)
+            return lambda: adopt(pairs)
 
         return load
 

@@ -38,12 +38,14 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
 
 def create_app(engine: Engine, tokenizer: Any, model_name: str,
                load_weights: Callable[[str], Any] | None = None) -> FastAPI:
-    """The app; ``load_weights(path)`` copies a checkpoint into the served model (engine thread)."""
+    """The app. ``load_weights(path)`` prepares a checkpoint (outside the engine's step gap) and
+    returns a callable that copies it into the served model (run by the engine between steps)."""
     if load_weights is None:
-        from primerl.weights import load_into
+        from primerl.weights import adopt, stage
 
-        def load_weights(path: str) -> Any:
-            return load_into(engine.model, path)
+        def load_weights(path: str) -> Callable[[], Any]:
+            pairs = stage(engine.model, path, writable=True)
+            return lambda: adopt(pairs)
 
     app = FastAPI(title="primerl embedded inference")
     started = time.time()
@@ -230,8 +232,9 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
             # load_into checks names and shapes before touching a parameter: a bad checkpoint changes nothing
             if not Path(req.path).exists():
                 raise WeightsError(f"weights path '{req.path}' does not exist")
-            version = await loop.run_in_executor(
-                None, lambda: engine.update_weights(lambda: load_weights(req.path), req.version))
+            # stage (map, validate) while the engine keeps decoding, then copy in its step gap
+            copy_in = await loop.run_in_executor(None, load_weights, req.path)
+            version = await loop.run_in_executor(None, lambda: engine.update_weights(copy_in, req.version))
         except WeightsError as exc:
             return error(400, str(exc), "path")
         except Exception as exc:  # noqa: BLE001 - report, keep serving the old weights
