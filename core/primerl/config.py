@@ -82,6 +82,9 @@ class TrainerConfig:
     mask_threshold: float = attrs.field(default=0.2, validator=_positive)
     router_replay: bool = False
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = only at the end
+    # how weights reach inference: "filesystem" (HF checkpoints in the run directory, any
+    # node) or "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)
+    weight_channel: Literal["filesystem", "shm"] = "filesystem"
 
 
 @attrs.define(kw_only=True)

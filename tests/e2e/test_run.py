@@ -91,3 +91,17 @@ def test_a_crashing_child_stops_the_run_with_a_clear_message(tmp_path):
     assert "the trainer process exited with code" in r.stderr and "stopped the others" in r.stderr
     assert "seq_len" in r.stderr  # the log tail says what went wrong
     assert "Traceback" not in r.stderr.split("Full log")[0].splitlines()[0]
+
+
+def test_shm_weight_channel_runs_and_cleans_up(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                        "--max-steps", "2", "--output-dir", str(out), *SMALL, "--trainer.weight_channel", "shm"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "weights" / "step_000002" / "shm.safetensors").is_symlink()
+    log = (out / "logs" / "orchestrator.log").read_text()
+    assert "inference now serves policy v" in log
+    from primerl.trainer.main import shm_dir
+
+    assert not shm_dir(out).exists()  # tmpfs is memory: removed when the run ends

@@ -140,7 +140,10 @@ class Orchestrator:
         while True:
             newest = self._newest_published(weights)
             if newest is not None and newest > self.version:
-                await self.client.load_weights(weights / step_name(newest), newest)
+                path = weights / step_name(newest)
+                if (path / "shm.safetensors").exists():  # the trainer's co-located channel
+                    path = path / "shm.safetensors"
+                await self.client.load_weights(path, newest)
                 self.version = newest
                 self.version_changed.set()
                 log(f"inference now serves policy v{newest}")

@@ -254,10 +254,39 @@ def _write_dir_atomically(final: Path, write) -> None:
     os.replace(tmp, final)
 
 
-def publish_weights(adapter: Any, model: torch.nn.Module, tokenizer: Any, out: Path, n: int) -> Path:
-    """``OUT/weights/step_n/`` (HF checkpoint + tokenizer), then its empty ``STABLE`` file."""
+SHM_LINK = "shm.safetensors"
+
+
+def shm_dir(out: Path) -> Path:
+    """Where the shm channel keeps this run's weights: tmpfs, one folder per run directory."""
+    import hashlib
+
+    return Path("/dev/shm") / f"primerl-{hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:12]}"
+
+
+def publish_weights(adapter: Any, model: torch.nn.Module, tokenizer: Any, out: Path, n: int,
+                    channel: str = "filesystem") -> Path:
+    """``OUT/weights/step_n/``, then its empty ``STABLE`` file.
+
+    ``filesystem``: an HF checkpoint + tokenizer (any server that sees the run directory
+    loads it). ``shm``: one safetensors file of the model's own tensors in /dev/shm, linked
+    from ``step_n/shm.safetensors``; a server on this machine adopts it without a copy.
+    """
     final = out / "weights" / step_name(n)
-    _write_dir_atomically(final, lambda d: adapter.save_checkpoint(model, d, tokenizer))
+    if channel == "shm":
+        from primerl.weights import write_safetensors
+
+        shm = shm_dir(out)
+        shm.mkdir(parents=True, exist_ok=True)
+        target = shm / f"{step_name(n)}.safetensors"
+        write_safetensors(model.state_dict(), target)
+        def link(d: Path) -> None:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / SHM_LINK).symlink_to(target)
+
+        _write_dir_atomically(final, link)
+    else:
+        _write_dir_atomically(final, lambda d: adapter.save_checkpoint(model, d, tokenizer))
     (final / "STABLE").touch()
     return final
 
@@ -271,6 +300,9 @@ def prune_weights(out: Path, n: int, keep_steps: int) -> list[int]:
     for d in root.iterdir():
         m = STEP_DIR.match(d.name)
         if m and int(m.group(1)) < n - keep_steps:
+            link = d / SHM_LINK
+            if link.is_symlink():
+                Path(os.readlink(link)).unlink(missing_ok=True)  # the tmpfs file behind it
             shutil.rmtree(d, ignore_errors=True)
             deleted.append(int(m.group(1)))
     return sorted(deleted)
@@ -396,13 +428,13 @@ def main(cfg: RunConfig) -> None:
         log(f"resumed from {resume[1]} (step {start})")
         truncate_metrics(out, start)
         if not (out / "weights" / step_name(start) / "STABLE").exists():
-            publish_weights(adapter, model, tokenizer, out, start)
+            publish_weights(adapter, model, tokenizer, out, start, cfg.trainer.weight_channel)
             log(f"republished weights/{step_name(start)}")
     else:
         if cfg.sft.steps > 0:
             sft_warmup(cfg, model, tokenizer)
             seed_everything(cfg.seed)  # RL draws the same randomness with or without SFT
-        publish_weights(adapter, model, tokenizer, out, 0)
+        publish_weights(adapter, model, tokenizer, out, 0, cfg.trainer.weight_channel)
         log(f"published weights/{step_name(0)} (v0{' after SFT' if cfg.sft.steps else ''})")
 
     keep = cfg.orchestrator.max_off_policy_steps + 2
@@ -422,7 +454,7 @@ def main(cfg: RunConfig) -> None:
         lr = optimizer.param_groups[0]["lr"]
         stats = rl_step(model, optimizer, packed, loss_fn, cfg)
         scheduler.step()
-        publish_weights(adapter, model, tokenizer, out, n)
+        publish_weights(adapter, model, tokenizer, out, n, cfg.trainer.weight_channel)
         t_end = time.perf_counter()
         prune_weights(out, n, keep)
 
@@ -452,4 +484,6 @@ def main(cfg: RunConfig) -> None:
             save_checkpoint(adapter, model, tokenizer, optimizer, scheduler, out, n)
             log(f"saved checkpoints/{step_name(n)}")
 
+    if cfg.trainer.weight_channel == "shm":
+        shutil.rmtree(shm_dir(out), ignore_errors=True)  # tmpfs is RAM; checkpoints/ keeps the result
     log(f"done: {cfg.max_steps} steps")
