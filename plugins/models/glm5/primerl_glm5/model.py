@@ -254,10 +254,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) in float32, as HF computes it, in one fused op
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -348,7 +346,6 @@ class Attention(nn.Module):
         q = self.q_b_proj(q_latent).view(B, S, H, -1).transpose(1, 2)  # [B, H, S, nope+rope]
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rot = rope_interleaved(q_rot, batch.cos[:, None], batch.sin[:, None])
-        q = torch.cat([q_nope, q_rot], dim=-1)
 
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, S, kv_lora]
@@ -370,6 +367,7 @@ class Attention(nn.Module):
             kv = self.kv_b_proj(latent).view(B, T, H, -1).transpose(1, 2)  # [B, H, T, nope+v]
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
             k = torch.cat([k_nope, k_rot[:, None].expand(B, H, T, self.rope_dim)], dim=-1)  # [B, H, T, nope+rope]
+            q = torch.cat([q_nope, q_rot], dim=-1)  # [B, H, S, nope+rope]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scaling)  # [B, H, S, v]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim)), mask
 
