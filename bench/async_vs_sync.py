@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 
-def run(out: Path, async_level: int, steps: int, latency: float) -> float:
-    """Steps per minute of one run (measured between the first and the last step)."""
+def run(out: Path, async_level: int, steps: int, latency: float) -> tuple[float, int, float]:
+    """Steps per minute of one run (between the first and the last step), samples dropped
+    as stale, and the mean staleness of the samples trained on."""
     cmd = [sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
            "--output-dir", str(out), "--max-steps", str(steps + 1), "--sft.steps", "0",
            "--orchestrator.async_level", str(async_level), "--orchestrator.max_off_policy_steps", "4",
@@ -31,7 +32,9 @@ def run(out: Path, async_level: int, steps: int, latency: float) -> float:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=1200)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     stamps = [r["time/end"] for r in rows]
-    return 60.0 * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    dropped = sum(r["dropped_stale"] for r in rows)
+    staleness = sum(r["off_policy/mean"] for r in rows) / len(rows)
+    return 60.0 * (len(stamps) - 1) / (stamps[-1] - stamps[0]), dropped, staleness
 
 
 def main() -> None:
@@ -42,13 +45,15 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
-        sync = run(Path(tmp) / "sync", 0, args.steps, args.latency)
-        asyn = run(Path(tmp) / "async", args.async_level, args.steps, args.latency)
+        sync, sync_dropped, _ = run(Path(tmp) / "sync", 0, args.steps, args.latency)
+        asyn, async_dropped, async_staleness = run(Path(tmp) / "async", args.async_level, args.steps, args.latency)
         print(f"sync (async_level 0): {sync:.1f} steps/min; async (async_level {args.async_level}): "
               f"{asyn:.1f} steps/min; {time.time() - t0:.0f}s in all")
     print(json.dumps({"bench": "async_vs_sync", "steps": args.steps, "latency_median_s": args.latency,
                       "sync_steps_per_min": round(sync, 2), "async_steps_per_min": round(asyn, 2),
-                      "async_level": args.async_level, "ratio": round(asyn / sync, 2)}))
+                      "async_level": args.async_level, "async_dropped_stale": async_dropped,
+                      "async_mean_staleness": round(async_staleness, 2), "sync_dropped_stale": sync_dropped,
+                      "ratio": round(asyn / sync, 2)}))
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ class TrainerConfig:
     max_grad_norm: float = attrs.field(default=1.0, validator=_positive)
     warmup_steps: int = attrs.field(default=0, validator=_non_negative)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    seq_len: int = attrs.field(default=2048, validator=_positive)
+    seq_len: int = attrs.field(default=2048, validator=_positive)  # tokens per packed row
+    micro_batch_rows: int = attrs.field(default=8, validator=_positive)  # packed rows per forward
     loss: str = "default"
     kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
     mask_threshold: float = attrs.field(default=0.2, validator=_positive)

@@ -18,8 +18,8 @@ def scale(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tens
     """logits [..., V] / T in float32; T == 0 counts as 1 (greedy is scored unscaled)."""
     t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
     t = torch.where(t > 0, t, torch.ones_like(t))
-    if t.dim() == 1 and logits.dim() == 2:
-        t = t[:, None]
+    if t.dim() > 0 and t.dim() == logits.dim() - 1:
+        t = t.unsqueeze(-1)  # one temperature per position: [..., 1] against [..., V]
     return logits.float() / t
 
 

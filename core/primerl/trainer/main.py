@@ -113,7 +113,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> torch.op
 
 
 def row_logprobs(model: torch.nn.Module, row: dict[str, torch.Tensor | None], replay: bool) -> torch.Tensor:
-    """Trainer logprobs of one packed row's targets. Row tensors are [1, n, ...]; returns [n]."""
+    """Trainer logprobs of packed rows' targets. Row tensors are [k, m, ...]; returns [k, m]."""
     out = model(
         row["input_ids"],
         row["positions"],
@@ -122,8 +122,8 @@ def row_logprobs(model: torch.nn.Module, row: dict[str, torch.Tensor | None], re
         replay_experts=row["replay_experts"] if replay else None,
         logits_for="all",
     )
-    # logits [1, n, V] -> [n, V]; temperature per position [n]
-    return token_logprobs(out.logits[0], row["targets"][0], row["temperatures"][0])
+    # logits [k, m, V]; temperature per position [k, m]
+    return token_logprobs(out.logits, row["targets"], row["temperatures"])
 
 
 def rl_step(
@@ -141,16 +141,19 @@ def rl_step(
     optimizer.zero_grad(set_to_none=True)
     total_loss = 0.0
     sums: dict[str, float] = {}
-    for r in range(packed.num_rows):
-        row = packed.row(r)
-        mask = row["loss_mask"][0]  # [n]
+    # several rows per forward: fewer, larger ops (CPU time is mostly per-op overhead)
+    for r in range(0, packed.num_rows, t.micro_batch_rows):
+        row = packed.rows(r, min(r + t.micro_batch_rows, packed.num_rows))
+        k, m = row["input_ids"].shape
+        valid = (torch.arange(m)[None, :] < row["lengths"][:, None]).flatten()  # [k*m]
+        mask = row["loss_mask"].flatten()[valid]  # [n]
         if not bool(mask.any()):
-            continue  # nothing to learn from this row
-        lp = row_logprobs(model, row, replay)  # [n]
+            continue  # nothing to learn from these rows
+        lp = row_logprobs(model, row, replay).flatten()[valid]  # [n]
         loss, metrics = loss_fn(
             lp,
-            row["inference_logprobs"][0],
-            row["advantages"][0],
+            row["inference_logprobs"].flatten()[valid],
+            row["advantages"].flatten()[valid],
             mask,
             config=t,
             normalizer=normalizer,
@@ -221,12 +224,12 @@ def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> None:
         normalizer = float(max(packed.num_loss_tokens, 1))
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for r in range(packed.num_rows):
-            row = packed.row(r)
-            mask = row["loss_mask"][0]
+        for r in range(0, packed.num_rows, cfg.trainer.micro_batch_rows):
+            row = packed.rows(r, min(r + cfg.trainer.micro_batch_rows, packed.num_rows))
+            mask = row["loss_mask"]  # [k, m]; padding is never a loss token
             if not bool(mask.any()):
                 continue
-            lp = row_logprobs(model, row, replay=False)  # [n]
+            lp = row_logprobs(model, row, replay=False)  # [k, m]
             loss = -(lp * mask).sum() / normalizer
             loss.backward()
             total += float(loss.detach())

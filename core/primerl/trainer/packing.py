@@ -60,6 +60,20 @@ class PackedBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def rows(self, start: int, end: int) -> dict[str, Tensor | None]:
+        """Rows ``start:end`` cut to the longest of them: [k, m, ...] (one forward for several rows)."""
+        m = int(self.lengths[start:end].max())
+        out: dict[str, Tensor | None] = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if f.name == "lengths":
+                out[f.name] = t[start:end]  # [k]
+            elif t is None:
+                out[f.name] = None
+            else:
+                out[f.name] = t[start:end, :m]
+        return out
+
     def row(self, r: int) -> dict[str, Tensor | None]:
         """Row ``r`` sliced to its length, each tensor with a leading batch dim of 1: [1, n, ...]."""
         n = int(self.lengths[r])

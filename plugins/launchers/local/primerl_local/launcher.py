@@ -78,8 +78,8 @@ class LocalLauncher:
         (out / "config.toml").write_text(dump_toml(to_dict(cfg)))
 
         procs: dict[str, subprocess.Popen] = {}
-        threads = str(max(1, (os.cpu_count() or 2) // 2))
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+        threads = os.environ.get("PRIMERL_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, "PYTHONUNBUFFERED": "1"}
 
         def on_signal(signum, _frame):
             raise Interrupted(signal.Signals(signum).name)
