@@ -193,7 +193,9 @@ def orchestrator(ctx: typer.Context) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)  # returns the code of a typer.Exit
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except PrimerlError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
