@@ -38,12 +38,12 @@ else:  # pragma: no cover
 
 def _positive(_inst: Any, attribute: attrs.Attribute, value: float) -> None:
     if value <= 0:
-        raise ValueError(f"must be > 0, got {value}")
+        raise ValueError(f"{attribute.name}: must be > 0, got {value}")
 
 
 def _non_negative(_inst: Any, attribute: attrs.Attribute, value: float) -> None:
     if value < 0:
-        raise ValueError(f"must be >= 0, got {value}")
+        raise ValueError(f"{attribute.name}: must be >= 0, got {value}")
 
 
 @attrs.define(kw_only=True)
@@ -239,7 +239,10 @@ def structure(cls: type, data: Any, path: str, sources: Mapping[str, str]) -> An
     except (ValueError, TypeError) as exc:
         bad = _which_field(exc, kwargs)
         full = f"{path}.{bad}" if path and bad else (bad or where)
-        raise ConfigError(f"invalid value for '{full}' ({_src(sources, full)}): {exc}") from None
+        reason = str(exc.args[0]) if exc.args else str(exc)
+        if bad and reason.startswith(f"{bad}:"):
+            reason = reason[len(bad) + 1 :].strip()
+        raise ConfigError(f"invalid value for '{full}' ({_src(sources, full)}): {reason}") from None
 
 
 def _first_source_under(sources: Mapping[str, str], prefix: str) -> str | None:
@@ -255,9 +258,12 @@ def _which_field(exc: Exception, kwargs: Mapping[str, Any]) -> str | None:
         if isinstance(arg, attrs.Attribute):
             return arg.name
     text = str(exc)
-    for key in kwargs:
-        if key in text:
+    for key in kwargs:  # our validators start their message with "name:"
+        if text.startswith(f"{key}:"):
             return key
+    for arg in getattr(exc, "args", ())[1:2]:  # attrs' own validators pass the Attribute second
+        if isinstance(arg, attrs.Attribute):
+            return arg.name
     return next(iter(kwargs), None) if len(kwargs) == 1 else None
 
 
