@@ -4,7 +4,8 @@ Workload: 64 concurrent requests of mixed lengths (prompts of 8-64 tokens, 16-12
 tokens each), greedy, on the tiny GLM-5 preset, float32, same weights in both. HF gets
 its best shot at throughput: one left-padded batch of all 64 prompts, generating until
 the longest request is done; only the tokens each request asked for are counted. The
-engine runs the same 64 requests with continuous batching.
+engine runs the same 64 requests with continuous batching. Three alternating rounds,
+medians compared.
 
     python bench/engine_vs_hf.py            # final line: {"ratio": engine / hf, ...}
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -23,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -43,17 +46,19 @@ def main() -> None:
     new_tokens = [rng.randint(16, 128) for _ in range(args.requests)]
     useful = sum(new_tokens)
 
-    # --- engine --------------------------------------------------------------------------
+    # --- engine ---------------------------------------------------------------------------
     engine = Engine(model, eos_token_ids=[tok.eos_token_id], max_batch_size=args.requests,
                     max_model_len=256, kv_slots=args.requests)
     engine.generate(prompts[0][:4], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    t0 = time.perf_counter()
-    seqs = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
-            for p, n in zip(prompts, new_tokens)]
-    while engine.has_work():
-        engine.step()
-    t_engine = time.perf_counter() - t0
-    assert sum(len(s.output_ids) for s in seqs) == useful
+
+    def run_engine() -> float:
+        t0 = time.perf_counter()
+        seqs = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+                for p, n in zip(prompts, new_tokens)]
+        while engine.has_work():
+            engine.step()
+        assert sum(len(s.output_ids) for s in seqs) == useful
+        return time.perf_counter() - t0
 
     # --- HF generate -----------------------------------------------------------------------
     hf_cfg = AutoConfig.for_model(**adapter.hf_config(cfg.preset))
@@ -67,14 +72,26 @@ def main() -> None:
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     hf.generate(ids[:1, -4:], attention_mask=mask[:1, -4:], max_new_tokens=2, do_sample=False, pad_token_id=pad)
-    t0 = time.perf_counter()
-    hf.generate(ids, attention_mask=mask, max_new_tokens=max(new_tokens), do_sample=False,
-                pad_token_id=pad, eos_token_id=None)
-    t_hf = time.perf_counter() - t0
+
+    def run_hf() -> float:
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=max(new_tokens), do_sample=False,
+                    pad_token_id=pad, eos_token_id=None)
+        return time.perf_counter() - t0
+
+    # alternate the two, several rounds, and compare medians: a shared machine's speed
+    # drifts by tens of percent from one minute to the next
+    engine_times, hf_times = [], []
+    for _ in range(args.rounds):
+        engine_times.append(run_engine())
+        hf_times.append(run_hf())
+    t_engine, t_hf = statistics.median(engine_times), statistics.median(hf_times)
 
     engine_tps, hf_tps = useful / t_engine, useful / t_hf
-    print(f"engine: {useful} tokens in {t_engine:.2f}s = {engine_tps:.0f} tok/s")
-    print(f"hf generate: {useful} useful tokens in {t_hf:.2f}s = {hf_tps:.0f} tok/s")
+    print(f"engine: {useful} tokens in {t_engine:.2f}s (median of {[round(t, 2) for t in engine_times]}) "
+          f"= {engine_tps:.0f} tok/s")
+    print(f"hf generate: {useful} useful tokens in {t_hf:.2f}s (median of {[round(t, 2) for t in hf_times]}) "
+          f"= {hf_tps:.0f} tok/s")
     print(json.dumps({"bench": "engine_vs_hf", "requests": args.requests, "useful_tokens": useful,
                       "engine_tokens_per_s": round(engine_tps, 1), "hf_tokens_per_s": round(hf_tps, 1),
                       "ratio": round(engine_tps / hf_tps, 2)}))
