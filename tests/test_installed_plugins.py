@@ -7,11 +7,9 @@ plugin whose module fails to import. Both must show in ``primerl plugins list --
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
 
 pytestmark = pytest.mark.slow
 

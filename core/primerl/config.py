@@ -253,17 +253,15 @@ def _first_source_under(sources: Mapping[str, str], prefix: str) -> str | None:
 
 
 def _which_field(exc: Exception, kwargs: Mapping[str, Any]) -> str | None:
-    # attrs validators receive the attribute; ours put no name in the message, so find it
+    """The field a validator rejected: attrs' own validators pass the Attribute in the
+    exception's args; ours start their message with "name:"."""
     for arg in getattr(exc, "args", ()):
         if isinstance(arg, attrs.Attribute):
             return arg.name
-    text = str(exc)
-    for key in kwargs:  # our validators start their message with "name:"
+    text = str(exc.args[0]) if exc.args else ""
+    for key in kwargs:
         if text.startswith(f"{key}:"):
             return key
-    for arg in getattr(exc, "args", ())[1:2]:  # attrs' own validators pass the Attribute second
-        if isinstance(arg, attrs.Attribute):
-            return arg.name
     return next(iter(kwargs), None) if len(kwargs) == 1 else None
 
 

@@ -1,7 +1,6 @@
 """`primerl run` end to end, as a user runs it: real processes, a real run directory."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -1,6 +1,5 @@
 """The embedded engine against references: HF generate, a plain forward pass, live updates."""
 
-import threading
 import time
 
 import pytest

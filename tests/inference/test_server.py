@@ -1,6 +1,5 @@
 """`primerl inference` as users run it: a real process, the official openai client."""
 
-import json
 import socket
 import subprocess
 import sys

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import random
 import sys

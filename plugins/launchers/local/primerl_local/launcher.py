@@ -19,7 +19,6 @@ torch tens of times slower.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -27,7 +26,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from primerl.config import RunConfig, dump_toml, to_dict
 
@@ -88,7 +86,6 @@ class LocalLauncher:
         from primerl_local.view import LiveView
 
         view = LiveView(cfg, out)
-        code = 0
         try:
             for name in CHILDREN:
                 log = open(out / "logs" / f"{name}.log", "w")
@@ -123,8 +120,8 @@ class LocalLauncher:
             self._stop_all(procs)
             for s, h in old.items():
                 signal.signal(s, h)
-        self._summary(cfg, out, view)
-        return code
+        self._summary(cfg, out)
+        return 0
 
     @staticmethod
     def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
@@ -148,7 +145,7 @@ class LocalLauncher:
                     pass
                 p.wait()
 
-    def _summary(self, cfg: RunConfig, out: Path, view: Any) -> None:
+    def _summary(self, cfg: RunConfig, out: Path) -> None:
         from primerl_local.view import plot_rewards, read_metrics
 
         rows = read_metrics(out / "metrics.jsonl")
