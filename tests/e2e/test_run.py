@@ -56,6 +56,12 @@ def test_third_party_env_trains_three_steps(venv, tmp_path):
     assert (out / "reward.png").stat().st_size > 0
     assert (out / "weights" / "step_000003" / "STABLE").exists()
     assert "reward curve" in r.stdout
+    # the same command again must not clobber the finished run
+    again = subprocess.run([str(venv), "-m", "primerl.cli", "run", "--model", "glm5", "--env", "echo-digits",
+                            "--max-steps", "3", "--output-dir", str(out), *SMALL],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "already holds a finished run" in again.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_ctrl_c_stops_every_child(tmp_path):

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from primerl.config import RunConfig, dump_toml, to_dict
+from primerl.errors import PrimerlError
 
 CHILDREN = ("inference", "orchestrator", "trainer")
 GRACE_SECONDS = 10.0
@@ -66,6 +67,13 @@ class LocalLauncher:
 
     def launch(self, cfg: RunConfig) -> int:
         out = Path(cfg.output_dir).resolve()
+        done = [int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
+        if done and max(done) >= cfg.max_steps:
+            raise PrimerlError(
+                f"{out} already holds a finished run ({max(done)} steps, max_steps is {cfg.max_steps}); "
+                f"nothing is overwritten. Use another --output-dir, delete that one, or raise --max-steps "
+                f"to continue training from its last checkpoint."
+            )
         out.mkdir(parents=True, exist_ok=True)
         (out / "logs").mkdir(exist_ok=True)
         if (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists():
