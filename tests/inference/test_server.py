@@ -138,7 +138,11 @@ def test_weight_update_during_a_rollout_is_recorded_in_its_version_span(server, 
 
     t = threading.Thread(target=long_rollout)
     t.start()
-    time.sleep(0.3)  # let it start decoding
+    deadline = time.time() + 60
+    while httpx.get(server + "/admin/status").json()["running"] == 0:  # wait until it is decoding
+        assert time.time() < deadline
+        time.sleep(0.01)
+    time.sleep(0.05)
     r = httpx.post(server + "/admin/weights", json={"path": str(tmp_path / "step_2"), "version": before + 1},
                    timeout=60)
     assert r.status_code == 200, r.text
