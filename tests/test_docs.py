@@ -23,3 +23,16 @@ def test_quick_start_has_two_lines_and_ci_runs_the_test_line():
     assert "primerl run --model glm5 --env reverse-text" in lines[0]
     test_cmd = lines[1].split("&&")[-1].strip()
     assert test_cmd in (REPO / ".ci" / "run").read_text()
+
+
+def test_every_core_config_key_is_in_the_reference():
+    import attrs
+
+    from primerl import config
+
+    text = (REPO / "docs" / "configuration.md").read_text()
+    for cls in (config.RunConfig, config.InferenceConfig, config.OrchestratorConfig, config.TrainerConfig,
+                config.SftConfig, config.LauncherConfig):
+        for f in attrs.fields(cls):
+            if not attrs.has(f.type) and not (isinstance(f.type, str) and f.type.endswith("Config")):
+                assert f"| `{f.name}` |" in text, f"docs/configuration.md lacks {cls.__name__}.{f.name}"
