@@ -35,8 +35,12 @@ def sample(
     top_k: torch.Tensor,  # [B] int, <= 0 = off
     top_p: torch.Tensor,  # [B] float, 1 = off
     generators: list[torch.Generator | None],  # per row: seeded requests are reproducible
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. Returns (tokens [B], logprobs [B] per :func:`token_logprobs`)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per row.
+
+    Returns (tokens [B], their logprobs [B] per :func:`token_logprobs`, and the full
+    log-probabilities [B, V] those come from, for callers that report alternatives).
+    """
     scaled = scale(logits, temperature)  # [B, V]
     logp = torch.log_softmax(scaled, dim=-1)
     masked = scaled.clone()
@@ -54,7 +58,7 @@ def sample(
         masked = masked.masked_fill(drop, float("-inf"))
     greedy = scaled.argmax(-1)
     if not bool((temperature > 0).any()):
-        return greedy, logp.gather(-1, greedy[:, None]).squeeze(-1)
+        return greedy, logp.gather(-1, greedy[:, None]).squeeze(-1), logp
     # Gumbel-max via exponential noise: argmax(p / q), q ~ Exp(1), is a draw from p.
     probs = torch.softmax(masked, dim=-1)
     noise = torch.empty_like(probs).exponential_()
@@ -63,4 +67,4 @@ def sample(
             noise[i].exponential_(generator=g)
     drawn = (probs / noise).argmax(-1)
     tokens = torch.where(temperature > 0, drawn, greedy)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), logp

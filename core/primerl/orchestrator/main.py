@@ -37,14 +37,11 @@ import attrs
 from primerl.config import RunConfig
 from primerl.envs import Environment, Task
 from primerl.registry import get_registry
+from primerl.rundir import SHM_LINK, STABLE, step_name
 
 
 def log(msg: str) -> None:
     print(f"[orchestrator {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def step_name(n: int) -> str:
-    return f"step_{n:06d}"
 
 
 @attrs.define
@@ -140,8 +137,8 @@ class Orchestrator:
             newest = self._newest_published(weights)
             if newest is not None and newest > self.version:
                 path = weights / step_name(newest)
-                if (path / "shm.safetensors").exists():  # the trainer's co-located channel
-                    path = path / "shm.safetensors"
+                if (path / SHM_LINK).exists():  # the trainer's co-located channel
+                    path = path / SHM_LINK
                 await self.client.load_weights(path, newest)
                 self.version = newest
                 self.version_changed.set()
@@ -152,7 +149,7 @@ class Orchestrator:
     def _newest_published(weights: Path) -> int | None:
         if not weights.is_dir():
             return None
-        steps = [int(p.parent.name.split("_")[1]) for p in weights.glob("step_*/STABLE")]
+        steps = [int(p.parent.name.split("_")[1]) for p in weights.glob(f"step_*/{STABLE}")]
         return max(steps, default=None)
 
     # ---- rollouts -------------------------------------------------------------------------

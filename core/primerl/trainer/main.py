@@ -35,6 +35,7 @@ import attrs
 import torch
 
 from primerl.config import RunConfig
+from primerl.rundir import SHM_LINK, STABLE, step_name
 from primerl.sampling import token_logprobs
 from primerl.trainer.loss import get_loss
 from primerl.trainer.packing import PackedBatch, pack
@@ -48,8 +49,6 @@ def log(msg: str) -> None:
     print(f"[trainer] {msg}", flush=True)
 
 
-def step_name(n: int) -> str:
-    return f"step_{n:06d}"
 
 
 # --------------------------------------------------------------------------------------
@@ -257,9 +256,6 @@ def _write_dir_atomically(final: Path, write) -> None:
     os.replace(tmp, final)
 
 
-SHM_LINK = "shm.safetensors"
-
-
 def shm_dir(out: Path) -> Path:
     """Where the shm channel keeps this run's weights: tmpfs, one folder per run directory."""
     import hashlib
@@ -290,7 +286,7 @@ def publish_weights(adapter: Any, model: torch.nn.Module, tokenizer: Any, out: P
         _write_dir_atomically(final, link)
     else:
         _write_dir_atomically(final, lambda d: adapter.save_checkpoint(model, d, tokenizer))
-    (final / "STABLE").touch()
+    (final / STABLE).touch()
     return final
 
 
@@ -430,7 +426,7 @@ def main(cfg: RunConfig) -> None:
         start = load_resume_state(adapter, model, optimizer, scheduler, resume[1])
         log(f"resumed from {resume[1]} (step {start})")
         truncate_metrics(out, start)
-        if not (out / "weights" / step_name(start) / "STABLE").exists():
+        if not (out / "weights" / step_name(start) / STABLE).exists():
             publish_weights(adapter, model, tokenizer, out, start, cfg.trainer.weight_channel)
             log(f"republished weights/{step_name(start)}")
     else:

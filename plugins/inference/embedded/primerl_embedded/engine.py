@@ -32,7 +32,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 import torch
@@ -392,7 +391,7 @@ class Engine:
         logits = out.logits  # [B, V]
         routed = getattr(out, "routed_experts", None)  # [B, S, L, k] or None
         params = [s.params for s in seqs]
-        tokens, logps = sample(
+        tokens, logps, logp_all = sample(
             logits,
             torch.tensor([p.temperature for p in params], device=device),
             torch.tensor([p.top_k for p in params], device=device),
@@ -402,9 +401,7 @@ class Engine:
         want_top = max((p.logprobs or 0) for p in params)
         top = None
         if want_top:
-            from primerl.sampling import scale
-
-            top = torch.log_softmax(scale(logits, torch.tensor([p.temperature for p in params])), -1).topk(want_top)
+            top = logp_all.topk(want_top)
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
         if routed is not None:
             routed = routed.to("cpu", self.routed_dtype)  # one conversion, then per-row views
@@ -463,12 +460,3 @@ def _take_rows(chunks: list[torch.Tensor], n: int) -> list[torch.Tensor]:
         left -= len(c[:left])
     return out
 
-
-def describe(seq: Sequence) -> dict[str, Any]:
-    """A plain summary of a finished sequence (for logs and tests)."""
-    return {
-        "output_ids": seq.output_ids,
-        "logprobs": seq.logprobs,
-        "versions": seq.versions,
-        "finish_reason": seq.finish_reason,
-    }
