@@ -72,3 +72,110 @@ class ModelAdapter:
 
     def tokenizer(self, config: ModelConfig) -> Any:
         raise NotImplementedError
+
+
+class HFModelAdapter(ModelAdapter):
+    """A model adapter for HF-compatible architectures: most model plugins need only set
+    the class attributes and :meth:`moe_layers`.
+
+    * ``model_type``: the HF ``model_type`` a checkpoint's ``config.json`` must have;
+    * ``preset_configs``: preset name -> HF config dict (light: plain dicts);
+    * ``model_class``: lazy ``"module:Class"`` of the torch model (a
+      :class:`primerl.models.decoder.DecoderLM` with ``Config.from_hf``, ``to_hf``,
+      ``init_weights``, ``cast_`` and ``tie_weights``);
+    * ``hf_format()``: the :class:`primerl.models.checkpoint.HFFormat` of its checkpoints.
+
+    Checkpoints are read one tensor at a time into the model built on the ``meta`` device
+    and materialised once on the target device: a sharded checkpoint is never loaded whole.
+    """
+
+    model_type: ClassVar[str] = ""
+    preset_configs: ClassVar[dict[str, dict[str, Any]]] = {}
+    model_class: ClassVar[str] = ""
+
+    # -- configuration (no torch) ------------------------------------------------------
+
+    def hf_config(self, preset: str) -> dict[str, Any]:
+        import copy
+
+        try:
+            return copy.deepcopy(self.preset_configs[preset])
+        except KeyError:
+            raise ValueError(
+                f"unknown {self.name} preset {preset!r}; choose one of {', '.join(self.preset_configs)}"
+            ) from None
+
+    def config_dict(self, config: ModelConfig) -> dict[str, Any]:
+        """The HF config of a run: the checkpoint's ``config.json``, else the preset's."""
+        if config.checkpoint is None:
+            return self.hf_config(config.preset)
+        from primerl.models.checkpoint import read_config
+
+        return read_config(config.checkpoint, self.model_type)
+
+    def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:
+        """(indices of the MoE layers, routed experts, experts per token) of an HF config."""
+        raise NotImplementedError
+
+    def moe_layout(self, config: ModelConfig) -> dict[str, Any]:
+        """Which layers route tokens, among how many experts, and how many per token."""
+        layers, experts, top_k = self.moe_layers(self.config_dict(config))
+        return {"moe_layers": layers, "num_experts": experts, "top_k": top_k}
+
+    def hf_format(self) -> Any:
+        from primerl.models.checkpoint import HFFormat
+
+        return HFFormat()
+
+    # -- model -----------------------------------------------------------------------
+
+    def _classes(self) -> Any:
+        import importlib
+
+        module, _, attr = self.model_class.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def build(self, config: ModelConfig, *, device: str = "cpu") -> torch.nn.Module:
+        """Our model, from ``config.checkpoint`` or randomly initialised from ``config.seed``."""
+        import torch
+
+        cls = self._classes()
+        hf = self.config_dict(config)
+        with torch.device("meta"):  # allocate once, directly on the target device
+            model = cls(cls.Config.from_hf(hf))
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.cast_(getattr(torch, config.dtype))
+        if config.checkpoint is None:
+            model.init_weights(config.seed)
+        else:
+            self.load_checkpoint(model, config.checkpoint)
+        model.hf_config = hf
+        return model
+
+    def tokenizer(self, config: ModelConfig) -> Any:
+        if config.checkpoint is None:
+            from primerl.tokenizer import byte_tokenizer
+
+            return byte_tokenizer()
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.checkpoint)
+
+    def load_checkpoint(self, model: torch.nn.Module, directory: Any) -> None:
+        """Overwrite ``model``'s weights in place from an HF checkpoint (also weight updates)."""
+        from primerl.models.checkpoint import load_checkpoint
+
+        c = model.config
+        load_checkpoint(model, directory, self.hf_format(), num_layers=c.num_hidden_layers,
+                        tied=c.tie_word_embeddings)
+
+    def save_checkpoint(self, model: torch.nn.Module, directory: Any, tokenizer: Any = None, **kwargs: Any) -> Any:
+        """Write an HF checkpoint (see :func:`primerl.models.checkpoint.save_checkpoint`)."""
+        from primerl.models.checkpoint import save_checkpoint
+
+        hf = {**getattr(model, "hf_config", {}), **model.config.to_hf()}
+        if "num_nextn_predict_layers" in hf:
+            hf["num_nextn_predict_layers"] = 0  # multi-token-prediction layers are not part of our model
+        return save_checkpoint(model, directory, hf, self.hf_format(), tokenizer=tokenizer,
+                               tied=model.config.tie_word_embeddings, **kwargs)

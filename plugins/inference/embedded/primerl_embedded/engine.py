@@ -22,7 +22,9 @@ How it works. One thread owns the model and loops over :meth:`Engine.step`:
 The model contract (see the model plugins): ``model(input_ids [B,S], positions [B,S],
 lengths [B], cache=, slots=, past_lens=, logits_for="last")`` returning ``.logits [B,V]``
 and ``.routed_experts [B,S,L,k]`` (or None for dense models), and
-``model.new_cache(num_slots, max_len)`` with ``copy_prefix(src, dst, n)``.
+``model.new_cache(num_slots, max_len)`` with ``copy_prefix(src, dst, n)`` (skipped when
+the cache says ``supports_prefix_reuse = False``: recurrent layers such as Mamba keep a
+state only at a slot's full length). See :mod:`primerl.models.decoder`.
 """
 
 from __future__ import annotations
@@ -355,6 +357,8 @@ class Engine:
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Copy the longest cached prefix into the sequence's slot (keep >= 1 token to run)."""
+        if not getattr(self.cache, "supports_prefix_reuse", True):
+            return  # recurrent state (Mamba) exists only at a slot's full length
         limit = len(seq.prompt_ids) - 1
         if seq.leader is not None and seq.leader.finish_reason is None and seq.leader.slot >= 0:
             src, n, routed = seq.leader.slot, limit, seq.leader.routed

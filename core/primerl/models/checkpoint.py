@@ -1,0 +1,226 @@
+"""HF checkpoint directories <-> primerl models, through a declarative, invertible name map.
+
+A checkpoint is ``config.json`` plus ``model.safetensors`` or shards listed in
+``model.safetensors.index.json`` (and tokenizer files). It is read one shard at a time,
+one tensor at a time, straight into the model's parameters: the whole checkpoint is
+never materialised, and no HF model is built.
+
+Our models keep HF's *in-memory* names (transformers v5 state dicts), which differ from
+the *published* layout in two declarative ways, each described by a :class:`HFFormat`:
+
+* prefixes: Nemotron-H ships ``backbone.`` where the model says ``model.``;
+* fused experts: the model holds each MoE layer's experts as 3D tensors
+  (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) while
+  checkpoints hold one linear per expert and projection (``experts.{e}.gate_proj.weight``
+  ...). :class:`FusedExperts` names the parts, in the order they are stacked.
+
+:func:`to_hf` and :func:`from_hf` are inverse: a round trip is bit-exact (tested). The
+loader also accepts the fused layout as is, and skips layers past ``num_layers`` (GLM-5
+and DeepSeek ship multi-token-prediction layers after the last decoder layer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@attrs.frozen
+class FusedExperts:
+    """A fused 3D expert tensor ``<...>.experts.<param>`` [E, sum(rows of parts), in] and the
+    per-expert linears it is stacked from, ``<...>.experts.{e}.<part>.weight``, in order."""
+
+    param: str
+    parts: tuple[str, ...]
+
+
+@attrs.frozen
+class HFFormat:
+    """How a model's state-dict names map to its published HF checkpoint names."""
+
+    prefixes: tuple[tuple[str, str], ...] = ()  # (published, model) prefix pairs
+    experts: tuple[FusedExperts, ...] = (
+        FusedExperts("gate_up_proj", ("gate_proj", "up_proj")),
+        FusedExperts("down_proj", ("down_proj",)),
+    )
+    layer_pattern: str = r"(?:model|backbone)\.layers\.(\d+)\."
+
+    def to_model_name(self, name: str) -> str:
+        for published, ours in self.prefixes:
+            if name.startswith(published):
+                return ours + name[len(published):]
+        return name
+
+    def to_published_name(self, name: str) -> str:
+        for published, ours in self.prefixes:
+            if name.startswith(ours):
+                return published + name[len(ours):]
+        return name
+
+    def expert_key(self) -> re.Pattern[str]:
+        parts = "|".join(sorted({p for f in self.experts for p in f.parts}))
+        return re.compile(rf"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<part>{parts})\.weight")
+
+
+def to_hf(state: dict[str, Any], fmt: HFFormat, *, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """(published name, tensor) of a model state dict: fused experts split into per-expert
+    views (no copies), prefixes renamed. ``skip``: names to leave out (a tied lm_head)."""
+    fused = {f.param: f for f in fmt.experts}
+    for name, t in state.items():
+        if name in skip:
+            continue
+        head, _, param = name.rpartition(".")
+        spec = fused.get(param) if head.endswith(".experts") and t.dim() == 3 else None
+        if spec is None:
+            yield fmt.to_published_name(name), t
+            continue
+        pieces = t.chunk(len(spec.parts), dim=1)  # [E, rows, in] each
+        for e in range(t.shape[0]):
+            for part, piece in zip(spec.parts, pieces, strict=True):
+                yield fmt.to_published_name(f"{head}.{e}.{part}.weight"), piece[e]
+
+
+def shard_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_NAME
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    if (directory / WEIGHTS_NAME).exists():
+        return [directory / WEIGHTS_NAME]
+    raise FileNotFoundError(f"{directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
+
+
+def read_config(directory: str | Path, model_type: str) -> dict[str, Any]:
+    """A checkpoint's ``config.json``, checked to be of ``model_type``."""
+    path = Path(directory) / CONFIG_NAME
+    try:
+        hf = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint {directory} has no {CONFIG_NAME}") from None
+    if hf.get("model_type") != model_type:
+        raise ValueError(f"{path} is a {hf.get('model_type')!r} model, not {model_type}")
+    return hf
+
+
+def load_checkpoint(model: Any, directory: str | Path, fmt: HFFormat, *, num_layers: int,
+                    tied: bool = False) -> None:
+    """Copy an HF checkpoint into ``model`` shard by shard (strict: every tensor once).
+
+    Tensors are cast to the dtype of the parameter they fill and moved to its device.
+    ``tied``: the model's ``lm_head.weight`` is the embedding and need not be in the file.
+    """
+    import torch
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+    required = set(targets) - ({"lm_head.weight"} if tied else set())
+    filled: set[str] = set()
+    parts_seen: dict[str, set[tuple[int, str]]] = {}  # fused param -> {(expert, part)}
+    unexpected: list[str] = []
+    layer_key, expert_key = re.compile(fmt.layer_pattern), fmt.expert_key()
+    fused = {f.param: f for f in fmt.experts}
+
+    def copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.shape != src.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src)
+
+    for path in shard_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                layer = layer_key.match(key)
+                if layer and int(layer.group(1)) >= num_layers:
+                    continue  # multi-token-prediction layers are not part of the model
+                name = fmt.to_model_name(key)
+                if name in targets:
+                    copy(key, targets[name], f.get_tensor(key))
+                    filled.add(name)
+                    continue
+                m = expert_key.fullmatch(name)
+                spec = next((s for s in fmt.experts if m and m["part"] in s.parts
+                             and f"{m['prefix']}.{s.param}" in targets), None)
+                if spec is None:
+                    unexpected.append(key)
+                    continue
+                target = f"{m['prefix']}.{spec.param}"
+                e, part = int(m["expert"]), m["part"]
+                dst = targets[target][e]  # [sum of part rows, in]
+                rows = dst.shape[0] // len(spec.parts)
+                i = spec.parts.index(part)
+                copy(key, dst[i * rows:(i + 1) * rows], f.get_tensor(key))
+                parts_seen.setdefault(target, set()).add((e, part))
+
+    for target, seen in parts_seen.items():
+        spec = fused[target.rpartition(".")[2]]
+        if seen == {(e, p) for e in range(targets[target].shape[0]) for p in spec.parts}:
+            filled.add(target)
+    missing = sorted(required - filled)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {directory} does not match the model: "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+
+
+def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any], fmt: HFFormat, *,
+                    tokenizer: Any = None, tied: bool = False, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``model`` as an HF checkpoint that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    ``config.json`` (``hf_config`` with the model's dtype), ``model.safetensors`` (or shards
+    of at most ``max_shard_bytes`` with ``model.safetensors.index.json``) and, when given,
+    the tokenizer's files. Returns the directory.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = {**hf_config, "dtype": str(model.dtype).removeprefix("torch.")}
+    hf.pop("torch_dtype", None)
+    if tokenizer is not None:
+        for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            if hf.get(key) is None and getattr(tokenizer, key, None) is not None:
+                hf[key] = getattr(tokenizer, key)
+    (directory / CONFIG_NAME).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+
+    # Group tensors into shards, in order, each under max_shard_bytes (a larger tensor
+    # gets a shard of its own).
+    shards: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for name, t in to_hf(model.state_dict(), fmt, skip=("lm_head.weight",) if tied else ()):
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += nbytes
+
+    for stale in [directory / INDEX_NAME, *directory.glob("model-*-of-*.safetensors"), directory / WEIGHTS_NAME]:
+        stale.unlink(missing_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = WEIGHTS_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in shard}
+        save_file(tensors, str(directory / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+    return directory

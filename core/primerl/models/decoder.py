@@ -1,0 +1,266 @@
+"""The ragged decoder forward every primerl model implements: packed rows, slot caches, R3.
+
+Why: RL needs one forward that HF models do not offer, the same for every architecture,
+
+* ragged batches: each row has its own number of new tokens (``lengths``), right-padded;
+* packed training rows: ``segment_ids`` keep several sequences in one row apart;
+* a slot-indexed cache for continuous batching: in one call some rows prefill a prompt
+  while others decode one token, each at its own past length, and a prefix can be copied
+  from slot to slot;
+* router replay ("R3"): the trainer forces the experts the inference engine used, while
+  the router still receives gradients through its scores;
+* the expert ids every MoE layer used *and* the ones its router would have chosen, so the
+  trainer can measure routing agreement with inference while replaying.
+
+A model plugin subclasses :class:`DecoderLM`: it builds ``self.model`` (``embed_tokens``,
+``layers``, ``norm``) and ``self.lm_head``, describes its cache in :meth:`cache_layout`,
+and may add per-batch tensors (RoPE angles) in :meth:`prepare`. Each layer is called as
+``layer(x, batch, valid, carry, replay) -> (x, carry, routing | None)``; ``carry`` passes
+state from one layer to the next (GLM-5's shared DSA selection), ``routing`` is the
+:class:`~primerl.models.layers.Routing` of an MoE layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+
+class ModelOutput(NamedTuple):
+    logits: Tensor  # [B, S, V] (logits_for="all") or [B, V] (logits_for="last")
+    routed_experts: Tensor  # [B, S, n_moe_layers, top_k] int16: the experts each MoE layer used
+    router_experts: Tensor  # [B, S, n_moe_layers, top_k] int16: the routers' own top-k choice
+
+
+# ---------------------------------------------------------------------------------------
+# Slot cache
+# ---------------------------------------------------------------------------------------
+
+
+class SlotCache:
+    """Preallocated per-layer cache for continuous batching; a slot is one sequence.
+
+    ``layout[l]`` names layer l's tensors and their trailing shapes:
+
+    * ``"per_token"``: ``{name: shape}``, stored ``[num_slots, max_len, *shape]`` (keys,
+      values, latents). A row's new tokens are written at positions
+      ``past_lens[b] .. past_lens[b] + lengths[b] - 1`` of slot ``slots[b]``.
+    * ``"state"``: ``{name: (shape, dtype)}``, stored ``[num_slots, *shape]``: a recurrent
+      layer's state after the slot's last token (Mamba's conv window and SSM state).
+
+    The caller owns which slot is free and how long each one is. Tensors start at zero,
+    so never-written positions are finite (they are always masked out). Recurrent state
+    exists only at a slot's current length, so caches with states cannot copy a prefix
+    (``supports_prefix_reuse`` is False and the engine does not try); a recurrent layer
+    treats a slot whose past length is 0 as holding the zero state, so slots need no reset.
+    """
+
+    def __init__(self, layout: list[dict[str, dict]], num_slots: int, max_len: int, *,
+                 dtype: torch.dtype, device: Any) -> None:
+        self.num_slots, self.max_len = num_slots, max_len
+        self.per_token: list[dict[str, Tensor]] = []
+        self.state: list[dict[str, Tensor]] = []
+        for spec in layout:
+            self.per_token.append({
+                name: torch.zeros(num_slots, max_len, *shape, dtype=dtype, device=device)
+                for name, shape in spec.get("per_token", {}).items()
+            })
+            self.state.append({
+                name: torch.zeros(num_slots, *shape, dtype=sdtype or dtype, device=device)
+                for name, (shape, sdtype) in spec.get("state", {}).items()
+            })
+        self.supports_prefix_reuse = not any(self.state)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for layer in (*self.per_token, *self.state) for t in layer.values()]
+
+    @torch.no_grad()
+    def copy_prefix(self, src_slot: int, dst_slot: int, n: int) -> None:
+        """Copy the first ``n`` cached positions of ``src_slot`` into ``dst_slot`` (prefix reuse)."""
+        if not self.supports_prefix_reuse:
+            raise ValueError("this cache holds recurrent state, which cannot be cut at a prefix")
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"prefix length {n} outside [0, {self.max_len}]")
+        for layer in self.per_token:
+            for t in layer.values():
+                t[dst_slot, :n] = t[src_slot, :n]
+
+
+# ---------------------------------------------------------------------------------------
+# The batch every layer sees
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """What every layer needs about the batch, computed once per forward."""
+
+    positions: Tensor  # [B, S] long
+    lengths: Tensor  # [B] long: valid new tokens per row
+    valid: Tensor  # [B, S] bool
+    visible: Tensor  # [B, S, T] bool: key j may be attended by query i
+    segment_ids: Tensor | None = None  # [B, S] packed rows (no cache)
+    cache: SlotCache | None = None
+    slots: Tensor | None = None  # [B]
+    past_lens: Tensor | None = None  # [B]
+    write_at: tuple[Tensor, ...] = ()  # (b, i, slot, pos) of every valid new token, [N] each
+    read_at: tuple[Tensor, ...] = ()  # (slot, pos) of every key, [B, T] each
+    extra: dict[str, Any] = field(default_factory=dict)  # model-specific (RoPE angles)
+
+    def keys(self, new: Tensor, layer: int, name: str) -> Tensor:
+        """Keys seen by the new tokens: ``new`` itself, or the cache after writing ``new`` into it.
+
+        new: [B, S, *D]; the store is [num_slots, max_len, *D]; returns [B, T, *D].
+        """
+        if self.cache is None:
+            return new
+        store = self.cache.per_token[layer][name]
+        b, i, slot, pos = self.write_at
+        store[slot, pos] = new[b, i].to(store.dtype)
+        slots, positions = self.read_at  # [B, T] each; every row reads positions 0..T-1
+        return store[:, : positions.shape[1]].index_select(0, slots[:, 0]).to(new.dtype)  # row copies
+
+
+def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, cache: SlotCache | None,
+               slots: Tensor | None, past_lens: Tensor | None) -> Batch:
+    """Key visibility and cache addressing shared by all layers."""
+    B, S = positions.shape
+    device = positions.device
+    i = torch.arange(S, device=device)
+    valid = i < lengths[:, None]  # [B, S]
+    if cache is None:
+        if slots is not None or past_lens is not None:
+            raise ValueError("slots and past_lens need a cache")
+        j = i
+        visible = (j[None, :] <= i[:, None]).expand(B, S, S)  # causal
+        if segment_ids is not None:
+            visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        batch = Batch(positions, lengths, valid, visible, segment_ids)
+    else:
+        if slots is None or past_lens is None:
+            raise ValueError("a cache needs slots and past_lens")
+        if segment_ids is not None:
+            raise ValueError("segment_ids (packed rows) cannot be combined with a cache")
+        T = int((past_lens + lengths).max())
+        if T > cache.max_len:
+            raise ValueError(f"sequence of {T} tokens does not fit the cache (max_len {cache.max_len})")
+        j = torch.arange(T, device=device)
+        visible = j[None, None, :] <= (past_lens[:, None] + i[None, :])[:, :, None]  # [B, S, T]
+        b_idx, i_idx = valid.nonzero(as_tuple=True)
+        write_at = (b_idx, i_idx, slots[b_idx], past_lens[b_idx] + i_idx)
+        read_at = (slots[:, None].expand(B, T), j[None, :].expand(B, T))
+        batch = Batch(positions, lengths, valid, visible, None, cache, slots, past_lens, write_at, read_at)
+    # Padding queries look at key 0 only: finite outputs, no all-masked softmax rows.
+    batch.visible = torch.where(valid[:, :, None], batch.visible, j[None, None, :] == 0)
+    return batch
+
+
+# ---------------------------------------------------------------------------------------
+# The causal LM base
+# ---------------------------------------------------------------------------------------
+
+
+class DecoderLM(nn.Module):
+    """Base of primerl's causal LMs: embeddings -> layers -> norm -> lm_head, ragged.
+
+    Subclasses set ``self.config`` (with ``vocab_size``, ``num_experts_per_tok`` and
+    ``tie_word_embeddings``), ``self.model`` (``embed_tokens``, ``layers``, ``norm``),
+    ``self.lm_head`` and ``self.moe_layers`` (indices of the MoE layers), and implement
+    :meth:`cache_layout`.
+    """
+
+    config: Any
+    model: nn.Module
+    lm_head: nn.Linear
+    moe_layers: list[int]
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def cache_layout(self) -> list[dict[str, dict]]:
+        """Per layer, the :class:`SlotCache` layout (see there)."""
+        raise NotImplementedError
+
+    def prepare(self, batch: Batch, dtype: torch.dtype) -> None:
+        """Add per-batch tensors every layer shares (RoPE angles) to ``batch.extra``."""
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    # -- weights ---------------------------------------------------------------------
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> SlotCache:
+        """An empty cache of ``num_slots`` sequences of up to ``max_len`` tokens each."""
+        return SlotCache(self.cache_layout(), num_slots, max_len, dtype=dtype or self.dtype, device=self.device)
+
+    # -- forward ---------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        lengths: Tensor,
+        *,
+        segment_ids: Tensor | None = None,
+        cache: SlotCache | None = None,
+        slots: Tensor | None = None,
+        past_lens: Tensor | None = None,
+        replay_experts: Tensor | None = None,
+        logits_for: str = "all",
+    ) -> ModelOutput:
+        """One forward over a right-padded batch of new tokens.
+
+        input_ids, positions: [B, S] long (positions drive RoPE only).
+        lengths: [B] long, valid new tokens per row; tokens at i >= lengths[b] are padding.
+        segment_ids: [B, S] long (no cache): packed rows; a token sees only earlier tokens
+            of its own segment.
+        cache, slots [B], past_lens [B]: row b's tokens are written to slot ``slots[b]`` at
+            positions ``past_lens[b]...`` and attend to everything cached before them.
+        replay_experts: [B, S, n_moe_layers, top_k] expert ids to force in each MoE layer
+            (ignored at padding); weights still come from the router's own scores.
+        logits_for: "all" -> logits [B, S, V]; "last" -> [B, V] at each row's last valid token.
+        """
+        B, S = input_ids.shape
+        device = input_ids.device
+        k = self.config.num_experts_per_tok
+        if logits_for not in ("all", "last"):
+            raise ValueError(f"logits_for must be 'all' or 'last', got {logits_for!r}")
+        if replay_experts is not None and replay_experts.shape != (B, S, len(self.moe_layers), k):
+            raise ValueError(f"replay_experts must be [B, S, {len(self.moe_layers)}, {k}]")
+
+        x = self.embed(input_ids)  # [B, S, hidden]
+        batch = make_batch(positions, lengths, segment_ids, cache, slots, past_lens)
+        self.prepare(batch, x.dtype)
+        valid = batch.valid.flatten()  # [B*S]
+
+        carry, used, own = None, [], []
+        for layer in self.model.layers:
+            replay = None
+            if replay_experts is not None and getattr(layer, "is_moe", False):
+                replay = replay_experts[:, :, len(used)].flatten(0, 1)  # [B*S, top_k]
+            x, carry, routing = layer(x, batch, valid, carry, replay)
+            if routing is not None:
+                used.append(routing.ids.view(B, S, -1))
+                own.append(routing.own_ids.view(B, S, -1))
+
+        if logits_for == "last":
+            x = x[torch.arange(B, device=device), (lengths - 1).clamp(min=0)]  # [B, hidden]
+        logits = self.lm_head(self.model.norm(x))
+        if used:
+            return ModelOutput(logits, torch.stack(used, 2).to(torch.int16), torch.stack(own, 2).to(torch.int16))
+        none = torch.zeros(B, S, 0, k, dtype=torch.int16, device=device)
+        return ModelOutput(logits, none, none)

@@ -1,0 +1,381 @@
+"""Torch building blocks shared by the model plugins (norms, RoPE, MLPs, routers, experts).
+
+Why here: GLM-5, Kimi K2 (DeepSeek-V3), Qwen3-MoE and Nemotron 3 share most of their
+pieces (SwiGLU MLPs, fused 3D experts, sigmoid or softmax top-k routers, RMSNorm,
+RoPE), and the properties primerl needs from them — routers that can replay the experts
+inference chose while still passing gradients, experts that skip padding, maths that
+follows HF op for op so logits agree with ``transformers`` to float rounding — are the
+same for all. Each model plugin composes these into its own decoder (torchtitan style:
+one folder per model, shared components in one place).
+
+Parameter names match HF's (``gate_proj``/``up_proj``/``down_proj``, the router's
+``weight`` and ``e_score_correction_bias``, the experts' fused ``gate_up_proj``), so HF
+state dicts load by name.
+
+Importing this module imports torch: only model code (never adapters) imports it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ---------------------------------------------------------------------------------------
+# Norms, activations, RoPE
+# ---------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as HF does.
+
+    ``weight_in_fp32``: multiply by the weight before casting back (Nemotron-H) rather
+    than after (Llama, DeepSeek, Qwen, GLM). Identical in float32; they round differently
+    in bf16, and matching HF's order keeps engine and HF logits equal.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps)
+        if self.weight_in_fp32:
+            return (self.weight.float() * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def relu2(x: Tensor) -> Tensor:
+    """Squared ReLU (Nemotron-H's MLP activation)."""
+    return torch.square(F.relu(x))
+
+
+ACTIVATIONS = {"silu": F.silu, "relu2": relu2}
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"activation {name!r} is not supported; choose one of {', '.join(ACTIVATIONS)}") from None
+
+
+def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3)... of the last dim by the given angles.
+
+    x: [..., D]; cos, sin: broadcastable to [..., D/2]. Returns [..., D] laid out as
+    (rotated evens, rotated odds): HF's ``apply_rotary_pos_emb_interleave`` layout.
+    """
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (x_i, x_{i+D/2}) pairs: HF's ``x * cos + rotate_half(x) * sin`` (Llama, Qwen).
+
+    x: [..., D]; cos, sin: broadcastable to [..., D/2].
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """An HF config's RoPE parameters in the v5 shape (``rope_parameters`` with ``rope_theta``),
+    accepting the older ``rope_scaling`` + top-level ``rope_theta``."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    return rope
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(dim: int, rope: Mapping[str, Any], max_position_embeddings: int) -> tuple[Tensor, float]:
+    """(inverse frequencies [dim/2], factor on cos/sin) for ``default`` and ``yarn`` RoPE.
+
+    YaRN (Kimi K2 / DeepSeek-V3's long-context RoPE) follows HF's
+    ``_compute_yarn_parameters``: low frequencies are interpolated by ``factor``, high
+    ones kept, with a linear ramp between the ``beta_fast``/``beta_slow`` correction dims.
+    """
+    base = float(rope["rope_theta"])
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)  # not on "meta"
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    if kind != "yarn":
+        raise ValueError(f"rope_type {kind!r} is not supported (default, yarn)")
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_position_embeddings / original
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequency), 0: interpolate
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention_factor)
+
+
+def rope_angles(positions: Tensor, inv_freq: Tensor, factor: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, S, D/2] of positions [B, S] (scaled by YaRN's attention factor)."""
+    angles = positions[..., None].float() * inv_freq.to(positions.device)  # [B, S, D/2]
+    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Feed-forward
+# ---------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """Feed-forward: SwiGLU ``down(act(gate(x)) * up(x))``, or plain ``down(act(up(x)))``
+    when ``gated=False`` (Nemotron-H's relu2 MLP)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, act: str = "silu", gated: bool = True,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.gated = gated
+        self.act = activation(act)
+        if gated:
+            self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+# ---------------------------------------------------------------------------------------
+# Mixture of experts
+# ---------------------------------------------------------------------------------------
+
+
+class Routing(NamedTuple):
+    weights: Tensor  # [N, top_k] the combine weights of the used experts
+    ids: Tensor  # [N, top_k] int64: the experts used (replayed ones when replaying)
+    own_ids: Tensor  # [N, top_k] int64: the router's own choice (== ids without replay)
+
+
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3 / GLM-5 / Nemotron-H routing ("noaux_tc").
+
+    Scores are sigmoid(W x) in float32; experts are chosen by top-k of
+    score + e_score_correction_bias within the best ``topk_group`` of ``n_group``
+    groups, but weighted by the bias-free scores, renormalised and scaled.
+    """
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, *, n_group: int = 1, topk_group: int = 1,
+                 norm_topk_prob: bool = True, scaling: float = 1.0) -> None:
+        super().__init__()
+        if n_experts % n_group or not 0 < topk_group <= n_group:
+            raise ValueError("n_routed_experts must split into n_group groups, with 0 < topk_group <= n_group")
+        if n_group > 1 and n_experts // n_group < 2:
+            raise ValueError("grouped routing scores each group by its two best experts: need >= 2 per group")
+        self.n_experts, self.top_k = n_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+        self.weight = nn.Parameter(torch.zeros(n_experts, hidden, dtype=torch.float32))
+        # Load-balancing bias (aux-loss-free): steers the choice only, never the weights.
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x: Tensor, valid: Tensor, replay: Tensor | None = None) -> Routing:
+        """x: [N, hidden]; valid: [N] bool; replay: [N, top_k] expert ids to force, or None.
+
+        Replayed ids apply to valid tokens (padding keeps the router's own choice); the
+        weights are gathered from the router's scores at the used ids, so the router keeps
+        receiving gradients under replay.
+        """
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        own = self.choose(scores)
+        ids = own if replay is None else torch.where(valid[:, None], replay.long(), own)
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(weights * self.scaling, ids, own)
+
+    @torch.no_grad()
+    def choose(self, scores: Tensor) -> Tensor:
+        choice = scores + self.e_score_correction_bias  # [N, E]
+        if self.topk_group < self.n_group:  # keep the experts of the best topk_group groups
+            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # [N, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+            best = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.n_experts // self.n_group, dim=1), float("-inf"))
+        return choice.topk(self.top_k, dim=-1, sorted=False).indices  # [N, top_k]
+
+
+class SoftmaxRouter(nn.Module):
+    """Qwen3-MoE routing: softmax over W x, top-k, optionally renormalised.
+
+    The logits are computed in the model's dtype and the softmax in float32, as HF does.
+    """
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, *, norm_topk_prob: bool = True) -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(n_experts, hidden))
+
+    def forward(self, x: Tensor, valid: Tensor, replay: Tensor | None = None) -> Routing:
+        """As :meth:`SigmoidRouter.forward`; weights are the (renormalised) softmax probabilities."""
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)  # [N, E]
+        with torch.no_grad():
+            own = probs.topk(self.top_k, dim=-1).indices
+        ids = own if replay is None else torch.where(valid[:, None], replay.long(), own)
+        weights = probs.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(weights.to(x.dtype), ids, own)
+
+
+class Experts(nn.Module):
+    """The routed experts' weights as 3D tensors (HF's fused layout).
+
+    gated: ``gate_up_proj`` [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I];
+    not gated (Nemotron-H): ``up_proj`` [E, I, H] and ``down_proj`` [E, H, I].
+    """
+
+    def __init__(self, n_experts: int, hidden: int, intermediate: int, *, act: str = "silu",
+                 gated: bool = True) -> None:
+        super().__init__()
+        self.gated, self.act = gated, activation(act)
+        E, H, I = n_experts, hidden, intermediate
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(E, I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    @property
+    def in_proj(self) -> Tensor:
+        return self.gate_up_proj if self.gated else self.up_proj
+
+    def _hidden(self, h: Tensor) -> Tensor:
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.act(gate) * up
+        return self.act(h)
+
+    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, valid: Tensor) -> Tensor:
+        """x: [N, hidden]; ids, weights: [N, top_k]; valid: [N] bool. Returns [N, hidden].
+
+        Token-expert pairs are sorted by expert; each expert hit runs once on its tokens,
+        and each token sums its experts in increasing expert order, as HF does. Padding
+        tokens (``~valid``) skip the experts.
+        """
+        E = self.down_proj.shape[0]
+        if E <= DENSE_EXPERTS_MAX_RATIO * ids.shape[1]:
+            return self._dense(x, ids, weights, valid)
+        out = torch.zeros_like(x)
+        tok, slot = valid[:, None].expand_as(ids).nonzero(as_tuple=True)  # pairs of valid tokens
+        expert = ids[tok, slot]
+        order = expert.argsort(stable=True)
+        tok, slot, expert = tok[order], slot[order], expert[order]
+        counts = torch.bincount(expert, minlength=E).tolist()
+        w_in = self.in_proj
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            t, s = tok[start : start + n], slot[start : start + n]
+            start += n
+            y = F.linear(self._hidden(F.linear(x[t], w_in[e])), self.down_proj[e]) * weights[t, s, None]
+            out.index_add_(0, t, y.to(out.dtype))
+        return out
+
+    def _dense(self, x: Tensor, ids: Tensor, weights: Tensor, valid: Tensor) -> Tensor:
+        """Every expert on every token, then a routing-weighted sum (zero for unchosen experts).
+
+        With few experts per choice (E <= 8 * top_k: small presets) three large matmuls beat
+        a loop of 3 * E small ones, on CPU by far; the result is the same up to rounding.
+        x: [N, hidden]; ids, weights: [N, top_k]; valid: [N]. Returns [N, hidden].
+        """
+        w_in = self.in_proj
+        E, rows, H = w_in.shape
+        N = x.shape[0]
+        combine = torch.zeros(N, E, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)
+        combine = combine * valid[:, None]  # [N, E]
+        h = self._hidden((x @ w_in.reshape(E * rows, H).t()).view(N, E, rows)).transpose(0, 1)  # [E, N, I]
+        y = torch.bmm(h, self.down_proj.transpose(1, 2))  # [E, N, hidden]
+        return (y * combine.t()[:, :, None].to(y.dtype)).sum(0)
+
+
+# Use the dense path when E / top_k is at most this (see Experts._dense).
+DENSE_EXPERTS_MAX_RATIO = 8
+
+
+# Kept in float32 whatever the model dtype (HF's _keep_in_fp32_modules_strict for the
+# sigmoid routers): routing is decided in float32, and a bf16 router weight would flip
+# near-tied expert choices.
+FP32_SUFFIXES = ("gate.weight", "gate.e_score_correction_bias")
+
+
+def cast_(model: nn.Module, dtype: torch.dtype, keep_fp32: tuple[str, ...] = ()) -> nn.Module:
+    """Cast floating tensors to ``dtype`` in place, keeping names ending in ``keep_fp32``
+    in float32."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(torch.float32 if keep_fp32 and name.endswith(keep_fp32) else dtype)
+    return model
+
+
+@torch.no_grad()
+def init_normal_(model: nn.Module, seed: int, std: float, *, skip: tuple[nn.Module, ...] = ()) -> None:
+    """HF-style init, reproducible: every tensor drawn on the CPU from one generator seeded
+    with ``seed``, in module order, so the same seed gives bit-identical weights on any
+    device and in any process. normal(0, std) for linears, embeddings, experts and routers;
+    ones for norm weights; zeros for biases and the routers' correction bias. Modules in
+    ``skip`` (a tied lm_head) are left alone; modules with an ``init_weights_(normal_)``
+    method initialise themselves."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal_(p: Tensor) -> None:
+        p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+    for module in model.modules():
+        if any(module is s for s in skip):
+            continue
+        if hasattr(module, "init_weights_"):
+            module.init_weights_(normal_)
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+            module.weight.fill_(1.0)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Linear):
+            normal_(module.weight)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            normal_(module.weight)
+        elif isinstance(module, (SigmoidRouter, SoftmaxRouter)):
+            normal_(module.weight)
+            if isinstance(module, SigmoidRouter):
+                module.e_score_correction_bias.zero_()
+        elif isinstance(module, Experts):
+            normal_(module.in_proj)
+            normal_(module.down_proj)

@@ -1,0 +1,120 @@
+"""Multi-head Latent Attention (DeepSeek-V3, Kimi K2, GLM-5) over primerl's ragged batch.
+
+Queries go hidden -> q_lora_rank -> heads * (nope + rope) (or straight hidden -> heads *
+(nope + rope) when ``q_lora_rank`` is None). Keys and values share one compressed latent
+(kv_lora_rank, RMS-normalised) plus one single-head rope key; the cache stores only these
+two, and ``kv_b_proj`` expands the latent to per-head k_nope and v. RoPE is "interleaved"
+(HF's ``rope_interleave=True``, what DeepSeek, Kimi and GLM ship): pairs (x0, x1),
+(x2, x3)... rotate together and come out de-interleaved (the same permutation for q and
+k, so q.k is unchanged).
+
+Decode steps attend in the latent space (DeepSeek's "weight absorption"), prefill and
+training expand the latent. Subclasses may restrict which keys each query sees by
+overriding :meth:`MLAttention.select` (GLM-5's DeepSeek Sparse Attention).
+
+Names and shapes are HF's ``DeepseekV3Attention`` / ``GlmMoeDsaAttention``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from primerl.models.decoder import Batch
+from primerl.models.layers import RMSNorm, rope_interleaved
+
+
+def mla_cache_layout(config: Any) -> dict[str, tuple[int, ...]]:
+    """The per-token cache of one MLA layer: the latent and the shared rope key."""
+    return {"latent": (config.kv_lora_rank,), "k_rot": (config.qk_rope_head_dim,)}
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention. ``forward(x, batch, carry) -> (out, carry)``.
+
+    ``config`` needs hidden_size, num_attention_heads, q_lora_rank (or None),
+    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, attention_bias;
+    ``scaling`` is the softmax scale (YaRN multiplies it by mscale^2).
+    """
+
+    def __init__(self, config: Any, layer_idx: int, *, scaling: float | None = None) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.n_heads = c.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        qk_head_dim = self.nope_dim + self.rope_dim
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, self.n_heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + self.rope_dim, bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
+        self.scaling = qk_head_dim**-0.5 if scaling is None else scaling
+
+    def select(self, x: Tensor, q_latent: Tensor | None, batch: Batch, carry: Any) -> tuple[Tensor, Any]:
+        """Which keys each query may attend to: ([B, S, T] bool, carry for the next layer)."""
+        return batch.visible, carry
+
+    def forward(self, x: Tensor, batch: Batch, carry: Any = None) -> tuple[Tensor, Any]:
+        """x: [B, S, hidden]. Returns the output [B, S, hidden] and the carry."""
+        B, S, _ = x.shape
+        H, L = self.n_heads, self.layer_idx
+        cos, sin = batch.extra["cos"], batch.extra["sin"]  # [B, S, rope/2]
+
+        if hasattr(self, "q_proj"):
+            q_latent, q = None, self.q_proj(x)
+        else:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, S, q_lora]
+            q = self.q_b_proj(q_latent)
+        q = q.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, nope+rope]
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rot = rope_interleaved(q_rot, cos[:, None], sin[:, None])
+
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [B, S, kv_lora]
+        k_rot = rope_interleaved(k_rot, cos, sin)  # [B, S, rope], one head shared by all
+        latent = batch.keys(latent, L, "latent")  # [B, T, kv_lora]
+        k_rot = batch.keys(k_rot, L, "k_rot")  # [B, T, rope]
+        T = latent.shape[1]
+
+        mask, carry = self.select(x, q_latent, batch, carry)  # [B, S, T]
+        if batch.cache is not None and S == 1:
+            out = self._absorbed(q_nope, q_rot, latent, k_rot, mask)  # decode: [B, H, 1, v]
+        else:
+            kv = self.kv_b_proj(latent).view(B, T, H, -1).transpose(1, 2)  # [B, H, T, nope+v]
+            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_rot[:, None].expand(B, H, T, self.rope_dim)], dim=-1)  # [B, H, T, nope+rope]
+            q = torch.cat([q_nope, q_rot], dim=-1)  # [B, H, S, nope+rope]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scaling)  # [B, H, S, v]
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim)), carry
+
+    def _absorbed(self, q_nope: Tensor, q_rot: Tensor, latent: Tensor, k_rot: Tensor, mask: Tensor) -> Tensor:
+        """Attention in the latent space, for decode steps (DeepSeek's "weight absorption").
+
+        Expanding every cached latent into per-head keys and values costs
+        T * kv_lora * H * (nope + v) per step; folding ``kv_b_proj`` into the query and the
+        output instead costs H * T * (kv_lora + rope). Same maths, different rounding.
+        q_nope: [B, H, 1, nope]; q_rot: [B, H, 1, rope]; latent: [B, T, kv_lora];
+        k_rot: [B, T, rope]; mask: [B, 1, T]. Returns [B, H, 1, v].
+        """
+        H = self.n_heads
+        w = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, kv_lora], [H, v, kv_lora]
+        # heads play the role of query rows, so every product is a plain bmm (no broadcast copies)
+        q_lat = torch.matmul(q_nope.squeeze(2).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, kv_lora]
+        scores = torch.bmm(q_lat, latent.transpose(1, 2))  # [B, H, T]
+        scores = scores + torch.bmm(q_rot.squeeze(2), k_rot.transpose(1, 2))
+        scores = (scores * self.scaling).masked_fill(~mask, float("-inf"))  # mask [B, 1, T]
+        probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
+        out_lat = torch.bmm(probs, latent)  # [B, H, kv_lora]
+        out = torch.matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, B, v]
+        return out.permute(1, 0, 2).unsqueeze(2)  # [B, H, 1, v]
