@@ -99,15 +99,16 @@ def shard_files(directory: Path) -> list[Path]:
     raise FileNotFoundError(f"{directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
 
 
-def read_config(directory: str | Path, model_type: str) -> dict[str, Any]:
-    """A checkpoint's ``config.json``, checked to be of ``model_type``."""
+def read_config(directory: str | Path, model_type: str | tuple[str, ...]) -> dict[str, Any]:
+    """A checkpoint's ``config.json``, checked to be of ``model_type`` (or one of them)."""
+    allowed = (model_type,) if isinstance(model_type, str) else model_type
     path = Path(directory) / CONFIG_NAME
     try:
         hf = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {directory} has no {CONFIG_NAME}") from None
-    if hf.get("model_type") != model_type:
-        raise ValueError(f"{path} is a {hf.get('model_type')!r} model, not {model_type}")
+    if hf.get("model_type") not in allowed:
+        raise ValueError(f"{path} is a {hf.get('model_type')!r} model, not {' or '.join(allowed)}")
     return hf
 
 

@@ -13,7 +13,8 @@ Why: RL needs one forward that HF models do not offer, the same for every archit
   trainer can measure routing agreement with inference while replaying.
 
 A model plugin subclasses :class:`DecoderLM`: it builds ``self.model`` (``embed_tokens``,
-``layers``, ``norm``) and ``self.lm_head``, describes its cache in :meth:`cache_layout`,
+``layers``, ``norm``; other names via :meth:`input_embeddings` and :meth:`final_norm`)
+and ``self.lm_head``, describes its cache in :meth:`cache_layout`,
 and may add per-batch tensors (RoPE angles) in :meth:`prepare`. Each layer is called as
 ``layer(x, batch, valid, carry, replay) -> (x, carry, routing | None)``; ``carry`` passes
 state from one layer to the next (GLM-5's shared DSA selection), ``routing`` is the
@@ -186,22 +187,25 @@ class DecoderLM(nn.Module):
     def prepare(self, batch: Batch, dtype: torch.dtype) -> None:
         """Add per-batch tensors every layer shares (RoPE angles) to ``batch.extra``."""
 
-    def embed(self, input_ids: Tensor) -> Tensor:
-        return self.model.embed_tokens(input_ids)
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
 
     # -- weights ---------------------------------------------------------------------
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.input_embeddings().weight
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.input_embeddings().weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.input_embeddings().weight.device
 
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> SlotCache:
         """An empty cache of ``num_slots`` sequences of up to ``max_len`` tokens each."""
@@ -242,7 +246,7 @@ class DecoderLM(nn.Module):
         if replay_experts is not None and replay_experts.shape != (B, S, len(self.moe_layers), k):
             raise ValueError(f"replay_experts must be [B, S, {len(self.moe_layers)}, {k}]")
 
-        x = self.embed(input_ids)  # [B, S, hidden]
+        x = self.input_embeddings()(input_ids)  # [B, S, hidden]
         batch = make_batch(positions, lengths, segment_ids, cache, slots, past_lens)
         self.prepare(batch, x.dtype)
         valid = batch.valid.flatten()  # [B*S]
@@ -259,7 +263,7 @@ class DecoderLM(nn.Module):
 
         if logits_for == "last":
             x = x[torch.arange(B, device=device), (lengths - 1).clamp(min=0)]  # [B, hidden]
-        logits = self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.final_norm()(x))
         if used:
             return ModelOutput(logits, torch.stack(used, 2).to(torch.int16), torch.stack(own, 2).to(torch.int16))
         none = torch.zeros(B, S, 0, k, dtype=torch.int16, device=device)

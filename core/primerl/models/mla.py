@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from primerl.models.decoder import Batch
-from primerl.models.layers import RMSNorm, rope_interleaved
+from primerl.models.layers import RMSNorm, rope_halves, rope_interleaved
 
 
 def mla_cache_layout(config: Any) -> dict[str, tuple[int, ...]]:
@@ -37,10 +37,12 @@ class MLAttention(nn.Module):
 
     ``config`` needs hidden_size, num_attention_heads, q_lora_rank (or None),
     kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, attention_bias;
-    ``scaling`` is the softmax scale (YaRN multiplies it by mscale^2).
+    ``scaling`` is the softmax scale (YaRN multiplies it by mscale^2); ``interleave``:
+    HF's ``rope_interleave`` (False rotates halves, Llama style).
     """
 
-    def __init__(self, config: Any, layer_idx: int, *, scaling: float | None = None) -> None:
+    def __init__(self, config: Any, layer_idx: int, *, scaling: float | None = None,
+                 interleave: bool = True) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
@@ -59,6 +61,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.scaling = qk_head_dim**-0.5 if scaling is None else scaling
+        self.rope = rope_interleaved if interleave else rope_halves
 
     def select(self, x: Tensor, q_latent: Tensor | None, batch: Batch, carry: Any) -> tuple[Tensor, Any]:
         """Which keys each query may attend to: ([B, S, T] bool, carry for the next layer)."""
@@ -77,11 +80,11 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(q_latent)
         q = q.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, nope+rope]
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rot = rope_interleaved(q_rot, cos[:, None], sin[:, None])
+        q_rot = self.rope(q_rot, cos[:, None], sin[:, None])
 
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, S, kv_lora]
-        k_rot = rope_interleaved(k_rot, cos, sin)  # [B, S, rope], one head shared by all
+        k_rot = self.rope(k_rot, cos, sin)  # [B, S, rope], one head shared by all
         latent = batch.keys(latent, L, "latent")  # [B, T, kv_lora]
         k_rot = batch.keys(k_rot, L, "k_rot")  # [B, T, rope]
         T = latent.shape[1]

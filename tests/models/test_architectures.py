@@ -1,0 +1,242 @@
+"""Every model plugin against transformers, and the RL forward every model must provide.
+
+Each test runs for each architecture's ``tiny`` preset in float32 on the CPU: GLM-5
+(``glm_moe_dsa``, deeper tests in test_glm5.py), Kimi K2 (``deepseek_v3`` with YaRN),
+Qwen3-MoE (``qwen3_moe``) and Nemotron 3 (``nemotron_h``: Mamba-2 + attention + MoE).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from primerl.models import ModelConfig
+from primerl.registry import get_registry
+from primerl.tokenizer import VOCAB_SIZE, byte_tokenizer
+
+ARCHS = ["glm5", "kimi", "qwen3-moe", "nemotron"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request):
+    name = request.param
+    adapter = get_registry().load("model", name)()
+    model = adapter.build(ModelConfig(name=name, preset="tiny", seed=0)).eval()
+    return name, adapter, model
+
+
+def hf_twin(adapter, model):
+    """transformers' own model class for the preset, holding our weights."""
+    config = transformers.AutoConfig.for_model(**adapter.hf_config("tiny"))
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    hf.load_state_dict(model.state_dict(), strict=True)
+    return hf.eval()
+
+
+def random_ids(*shape, seed=0):
+    return torch.randint(0, VOCAB_SIZE, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def forward(model, ids, lengths=None, **kw):
+    B, S = ids.shape
+    lengths = torch.full((B,), S) if lengths is None else lengths
+    with torch.no_grad():
+        return model(ids, torch.arange(S).expand(B, S), lengths, **kw)
+
+
+def test_logits_match_transformers(arch):
+    name, adapter, model = arch
+    hf = hf_twin(adapter, model)
+    ids = random_ids(2, 40, seed=1)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    torch.testing.assert_close(forward(model, ids).logits, ref, atol=TOL, rtol=0)
+    # right padding never leaks into the valid tokens of a row
+    out = forward(model, ids, torch.tensor([40, 23])).logits
+    torch.testing.assert_close(out[1, :23], forward(model, ids[1:, :23]).logits[0], atol=TOL, rtol=0)
+    assert torch.isfinite(out).all()
+
+
+def test_packed_rows_match_separate_forwards(arch):
+    _, _, model = arch
+    lens = [9, 30, 14]
+    parts = [random_ids(1, n, seed=10 + n)[0] for n in lens]
+    ids = torch.cat(parts)[None]
+    positions = torch.cat([torch.arange(n) for n in lens])[None]
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+    with torch.no_grad():
+        packed = model(ids, positions, torch.tensor([sum(lens)]), segment_ids=segments)
+    start = 0
+    for toks in parts:
+        alone = forward(model, toks[None])
+        n = len(toks)
+        torch.testing.assert_close(packed.logits[0, start : start + n], alone.logits[0], atol=TOL, rtol=0)
+        assert torch.equal(packed.routed_experts[0, start : start + n], alone.routed_experts[0])
+        start += n
+
+
+def test_ragged_cached_steps_match_full_forward(arch):
+    """One call mixes a decode row, a continued prefill and a fresh prefill, as the engine does."""
+    _, _, model = arch
+    seqs = [random_ids(1, n, seed=20 + n)[0] for n in (31, 26, 17)]
+    cache = model.new_cache(num_slots=3, max_len=48)
+
+    def step(rows):
+        S = max(len(t) for _, _, t in rows)
+        ids = torch.zeros(len(rows), S, dtype=torch.long)
+        pos = torch.zeros_like(ids)
+        for b, (_, past, toks) in enumerate(rows):
+            ids[b, : len(toks)] = toks
+            pos[b, : len(toks)] = torch.arange(past, past + len(toks))
+        with torch.no_grad():
+            return model(ids, pos, torch.tensor([len(t) for _, _, t in rows]), cache=cache,
+                         slots=torch.tensor([s for s, _, _ in rows]),
+                         past_lens=torch.tensor([p for _, p, _ in rows])).logits
+
+    out1 = step([(0, 0, seqs[0][:30]), (1, 0, seqs[1][:11])])
+    out2 = step([(0, 30, seqs[0][30:]), (1, 11, seqs[1][11:]), (2, 0, seqs[2])])
+    ref = [forward(model, s[None]).logits[0] for s in seqs]
+    torch.testing.assert_close(out1[0, :30], ref[0][:30], atol=TOL, rtol=0)
+    torch.testing.assert_close(out1[1, :11], ref[1][:11], atol=TOL, rtol=0)
+    torch.testing.assert_close(out2[0, :1], ref[0][30:], atol=TOL, rtol=0)
+    torch.testing.assert_close(out2[1, :15], ref[1][11:], atol=TOL, rtol=0)
+    torch.testing.assert_close(out2[2, :17], ref[2], atol=TOL, rtol=0)
+
+
+def test_router_replay_reproduces_routing_and_keeps_router_gradients(arch):
+    name, adapter, model = arch
+    ids, lengths = random_ids(2, 24, seed=3), torch.tensor([24, 15])
+    first = forward(model, ids, lengths)
+    routed = first.routed_experts  # [B, S, L, k]
+    assert routed.shape == (2, 24, len(model.moe_layers), model.config.num_experts_per_tok)
+    assert torch.equal(first.router_experts, routed)  # no replay: used == the routers' own choice
+
+    replay = routed.clone()
+    replay[1, 15:] = -1  # padding may hold anything
+    again = forward(model, ids, lengths, replay_experts=replay)
+    assert torch.equal(again.logits[0], first.logits[0]) and torch.equal(again.logits[1, :15], first.logits[1, :15])
+    assert torch.equal(again.routed_experts[:, :15], routed[:, :15])
+
+    trained = copy.deepcopy(model).train()
+    E = adapter.moe_layout(ModelConfig(name=name, preset="tiny"))["num_experts"]
+    forced = (routed.long() + 1) % E
+    out = trained(ids, torch.arange(24).expand(2, 24), lengths, replay_experts=forced)
+    assert torch.equal(out.routed_experts[:, :15], forced[:, :15].to(torch.int16))
+    # the first MoE layer's own choice is unchanged by forcing (its input is the same)
+    assert torch.equal(out.router_experts[:, :15, 0], routed[:, :15, 0])
+    out.logits[0].logsumexp(-1).mean().backward()
+    routers = [m for n, m in trained.named_modules() if n.endswith((".gate", "mixer.gate")) and hasattr(m, "weight")]
+    assert routers and all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers)
+
+
+def test_checkpoint_round_trip_is_bit_exact_and_matches_transformers_names(arch, tmp_path):
+    name, adapter, model = arch
+    adapter.save_checkpoint(model, tmp_path / "ours", max_shard_bytes=400_000)
+    assert len(list((tmp_path / "ours").glob("model-*-of-*.safetensors"))) > 1
+    back = adapter.build(ModelConfig(name=name, checkpoint=str(tmp_path / "ours")))
+    for key, t in model.state_dict().items():
+        assert torch.equal(back.state_dict()[key], t), key
+    # the published names are the ones transformers' save_pretrained writes
+    hf_twin(adapter, model).save_pretrained(tmp_path / "hf")
+    from safetensors import safe_open
+
+    def names(d):
+        out = set()
+        for f in d.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as h:
+                out |= set(h.keys())
+        return out
+
+    assert names(tmp_path / "ours") == names(tmp_path / "hf")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_transformers_sharded_checkpoint_served_greedy_equals_generate(arch, tmp_path):
+    """`primerl inference --checkpoint DIR` on a checkpoint written by transformers'
+    save_pretrained (sharded) produces transformers' greedy tokens."""
+    import httpx
+
+    name, adapter, model = arch
+    hf = hf_twin(adapter, model)
+    # fresh, different weights so the test does not depend on our init
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() % 97)) * 0.01)
+    ckpt = tmp_path / "hf"
+    hf.save_pretrained(ckpt, max_shard_size="300KB")
+    byte_tokenizer().save_pretrained(str(ckpt))
+    assert (ckpt / "model.safetensors.index.json").exists()
+    prompt_ids = byte_tokenizer().encode("Reverse: rivers")
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt_ids):].tolist()
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "primerl.cli", "inference", "--model", name, "--checkpoint", str(ckpt),
+         "--host", "127.0.0.1", "--port", str(port), "--inference.max_model_len", "128"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": name, "prompt": prompt_ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+        })
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ref
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_engine_and_trainer_logprobs_agree(arch):
+    """The engine's sampled-token logprobs equal the trainer's forward over the same tokens
+    (float32 both sides), and the engine's recorded experts replay to the same routing."""
+    from primerl.sampling import token_logprobs
+    from primerl_embedded.engine import Engine, SamplingParams
+
+    _, _, model = arch
+    tok = byte_tokenizer()
+    engine = Engine(model, eos_token_ids=[tok.eos_token_id], max_batch_size=4, max_model_len=96, kv_slots=4,
+                    num_experts=64)
+    prompt = tok.encode("Reverse: apple")
+    seqs = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=2, ignore_eos=True,
+                                                  logprobs=0, return_routed_experts=True))
+    for seq in seqs:
+        full = torch.tensor([seq.tokens])
+        n = full.shape[1]
+        replay = seq.routed_experts()[: n][None].long()  # [1, tokens processed, L, k]
+        pad = n - replay.shape[1]  # the last sampled token was never fed back
+        replay = torch.cat([replay, replay[:, -1:].expand(1, pad, -1, -1)], 1) if pad else replay
+        with torch.no_grad():
+            out = model(full, torch.arange(n)[None], torch.tensor([n]), replay_experts=replay)
+        lp = token_logprobs(out.logits[:, len(prompt) - 1 : n - 1], full[:, len(prompt):],
+                            torch.ones(1, n - len(prompt)))[0]
+        torch.testing.assert_close(lp, torch.tensor(seq.logprobs), atol=1e-4, rtol=0)
+        agree = (out.router_experts[0, : n - pad].sort(-1).values == out.routed_experts[0, : n - pad].sort(-1).values)
+        assert agree.all(-1).float().mean() == 1.0  # fp32 on both sides: the trainer's routers agree
