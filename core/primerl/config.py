@@ -82,6 +82,9 @@ class TrainerConfig:
     kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
     mask_threshold: float = attrs.field(default=0.2, validator=_positive)
     router_replay: bool = False
+    # per-layer routing agreement with inference (needs the engine's routed experts, which
+    # the orchestrator then requests for every sample)
+    routing_metrics: bool = True
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = only at the end
     # how weights reach inference: "filesystem" (HF checkpoints in the run directory, any
     # node) or "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)

@@ -110,3 +110,20 @@ def test_shm_weight_channel_runs_and_cleans_up(tmp_path):
     from primerl.trainer.main import shm_dir
 
     assert not shm_dir(out).exists()  # tmpfs is memory: removed when the run ends
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["no-r3", "r3"])
+@pytest.mark.parametrize("model", ["glm5", "kimi", "qwen3-moe", "nemotron"])
+def test_every_model_trains_with_and_without_router_replay(model, replay, tmp_path):
+    out = tmp_path / "run"
+    flags = ["--trainer.router_replay"] if replay else []
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", model, "--env", "reverse-text",
+                        "--max-steps", "1", "--output-dir", str(out), *SMALL, *flags],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # on-policy, float32 on both sides: the trainer routes exactly as inference did
+    assert row["routing_agreement"] == 1.0 and row["mismatch_kl"] < 1e-6
+    assert (out / "checkpoints" / "step_000001" / "config.json").exists()
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert "not replaying" not in trainer_log

@@ -120,3 +120,34 @@ def test_packed_forward_matches_separate_forwards(tiny):
             where = p.sample_index == i
             order = p.positions[where].argsort()
             torch.testing.assert_close(packed_lp[where][order], alone, atol=1e-5, rtol=0)
+
+
+def test_rl_step_reports_routing_agreement_and_mismatch(tiny):
+    """rl_step's routing_agreement: 1.0 when inference routed exactly as the trainer's routers
+    do, lower when inference's recorded experts differ; with replay the trainer still
+    measures its own routers' agreement (not the forced ids)."""
+    import copy
+
+    from primerl.config import RunConfig
+    from primerl.trainer.loss import get_loss
+    from primerl.trainer.main import rl_step
+
+    adapter, model = tiny
+    samples = _samples(4, seed=9, min_len=6, max_len=30)
+    for s in samples:  # the experts this model itself picks for each token
+        t = torch.tensor(s["tokens"])[None]
+        with torch.no_grad():
+            s["routed_experts"] = model(t, torch.arange(t.shape[1])[None], torch.tensor([t.shape[1]])).routed_experts[0]
+    cfg = RunConfig()
+    for replay in (False, True):
+        cfg.trainer.router_replay = replay
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        stats = rl_step(m, opt, pack(samples, seq_len=128), get_loss("default"), cfg)
+        assert stats["routing_agreement"] == pytest.approx(1.0)
+        assert {f"routing_agreement/layer_{i}" for i in range(3)} <= set(stats)
+    shifted = [dict(s, routed_experts=(s["routed_experts"].long() + 1) % 8) for s in samples]
+    m = copy.deepcopy(model)
+    stats = rl_step(m, torch.optim.SGD(m.parameters(), lr=0.0), pack(shifted, seq_len=128), get_loss("default"), cfg)
+    assert stats["routing_agreement"] < 0.5
+    assert stats["mismatch_kl"] > 0  # inference logprobs here are made up, so they mismatch

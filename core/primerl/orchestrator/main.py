@@ -190,7 +190,7 @@ class Orchestrator:
             "model": self.cfg.model.name,
             "messages": group.task.messages(self.env.system_prompt),
             "n": o.group_size, "max_tokens": o.max_tokens, "temperature": o.temperature, "top_p": o.top_p,
-            "logprobs": True, "return_routed_experts": self.cfg.trainer.router_replay,
+            "logprobs": True, "return_routed_experts": self.cfg.trainer.router_replay or self.cfg.trainer.routing_metrics,
         }
         resp = await self.client.chat(body)
         prompt_ids = resp["prompt_token_ids"]

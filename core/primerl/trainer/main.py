@@ -111,8 +111,9 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig) -> torch.op
 # --------------------------------------------------------------------------------------
 
 
-def row_logprobs(model: torch.nn.Module, row: dict[str, torch.Tensor | None], replay: bool) -> torch.Tensor:
-    """Trainer logprobs of packed rows' targets. Row tensors are [k, m, ...]; returns [k, m]."""
+def row_forward(model: torch.nn.Module, row: dict[str, torch.Tensor | None], replay: bool) -> tuple[torch.Tensor, Any]:
+    """Trainer logprobs of packed rows' targets ([k, m]; row tensors are [k, m, ...]) and the
+    model output (for its routing)."""
     out = model(
         row["input_ids"],
         row["positions"],
@@ -122,7 +123,14 @@ def row_logprobs(model: torch.nn.Module, row: dict[str, torch.Tensor | None], re
         logits_for="all",
     )
     # logits [k, m, V]; temperature per position [k, m]
-    return token_logprobs(out.logits, row["targets"], row["temperatures"])
+    return token_logprobs(out.logits, row["targets"], row["temperatures"]), out
+
+
+def routing_agreement(own: torch.Tensor, inference: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per MoE layer, how many valid tokens the trainer's routers send to exactly the experts
+    inference used (as sets). own, inference: [k, m, L, top_k]; valid: [k, m] bool. Returns [L]."""
+    same = (own.sort(-1).values == inference.to(own.dtype).sort(-1).values).all(-1)  # [k, m, L]
+    return (same & valid[..., None]).sum((0, 1))
 
 
 def rl_step(
@@ -140,6 +148,7 @@ def rl_step(
     optimizer.zero_grad(set_to_none=True)
     total_loss = 0.0
     sums: dict[str, float] = {}
+    agreed, routed_tokens = None, 0  # per-layer token counts of trainer/inference routing agreement
     # several rows per forward: fewer, larger ops (CPU time is mostly per-op overhead)
     for r in range(0, packed.num_rows, t.micro_batch_rows):
         row = packed.rows(r, min(r + t.micro_batch_rows, packed.num_rows))
@@ -148,7 +157,12 @@ def rl_step(
         mask = row["loss_mask"].flatten()[valid]  # [n]
         if not bool(mask.any()):
             continue  # nothing to learn from these rows
-        lp = row_logprobs(model, row, replay).flatten()[valid]  # [n]
+        lp, out = row_forward(model, row, replay)
+        lp = lp.flatten()[valid]  # [n]
+        if t.routing_metrics and row["replay_experts"] is not None and out.router_experts.shape[2]:
+            agree = routing_agreement(out.router_experts, row["replay_experts"], valid.view(k, m))
+            agreed = agree if agreed is None else agreed + agree
+            routed_tokens += int(valid.sum())
         loss, metrics = loss_fn(
             lp,
             row["inference_logprobs"].flatten()[valid],
@@ -168,6 +182,10 @@ def rl_step(
     out.setdefault("mismatch_kl", 0.0)
     out.setdefault("masked_fraction", 0.0)
     out.update(loss=total_loss, grad_norm=grad_norm)
+    if agreed is not None and routed_tokens:
+        per_layer = (agreed.double() / routed_tokens).tolist()
+        out["routing_agreement"] = sum(per_layer) / len(per_layer)
+        out.update({f"routing_agreement/layer_{i}": v for i, v in enumerate(per_layer)})
     return out
 
 
@@ -228,7 +246,7 @@ def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> None:
             mask = row["loss_mask"]  # [k, m]; padding is never a loss token
             if not bool(mask.any()):
                 continue
-            lp = row_logprobs(model, row, replay=False)  # [k, m]
+            lp, _ = row_forward(model, row, replay=False)  # [k, m]
             loss = -(lp * mask).sum() / normalizer
             loss.backward()
             total += float(loss.detach())
@@ -477,7 +495,8 @@ def main(cfg: RunConfig) -> None:
         last_end = t_end
         log(f"step {n}/{cfg.max_steps} samples {len(samples)} rows {packed.num_rows} tokens {packed.num_tokens} "
             f"loss {stats['loss']:.4f} mismatch_kl {stats['mismatch_kl']:.2e} masked {stats['masked_fraction']:.3f} "
-            f"grad_norm {stats['grad_norm']:.3f} lr {lr:.2e} step {step_s:.2f}s wait {t_start - t_wait:.2f}s")
+            f"grad_norm {stats['grad_norm']:.3f} lr {lr:.2e} step {step_s:.2f}s wait {t_start - t_wait:.2f}s"
+            + (f" routing_agreement {stats['routing_agreement']:.3f}" if "routing_agreement" in stats else ""))
 
         if (t.checkpoint_every and n % t.checkpoint_every == 0) or n == cfg.max_steps:
             save_checkpoint(adapter, model, tokenizer, optimizer, scheduler, out, n)
