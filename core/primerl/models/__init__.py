@@ -139,17 +139,26 @@ class HFModelAdapter(ModelAdapter):
         """Our model, from ``config.checkpoint`` or randomly initialised from ``config.seed``."""
         import torch
 
-        cls = self._classes()
         hf = self.config_dict(config)
+        model = self.build_from_hf(hf, dtype=config.dtype, seed=None if config.checkpoint else config.seed,
+                                   device=device)
+        if config.checkpoint is not None:
+            self.load_checkpoint(model, config.checkpoint)
+        return model
+
+    def build_from_hf(self, hf: dict[str, Any], *, dtype: str = "float32", seed: int | None = 0,
+                      device: str = "cpu") -> torch.nn.Module:
+        """Our model for an HF config dict; random weights from ``seed`` (None: uninitialised)."""
+        import torch
+
+        cls = self._classes()
         with torch.device("meta"):  # allocate once, directly on the target device
             model = cls(cls.Config.from_hf(hf))
         model.to_empty(device=device)
         model.tie_weights()
-        model.cast_(getattr(torch, config.dtype))
-        if config.checkpoint is None:
-            model.init_weights(config.seed)
-        else:
-            self.load_checkpoint(model, config.checkpoint)
+        model.cast_(getattr(torch, dtype))
+        if seed is not None:
+            model.init_weights(seed)
         model.hf_config = hf
         return model
 
