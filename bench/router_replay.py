@@ -83,12 +83,16 @@ def train(name: str, args) -> tuple:
     return model.eval(), tokenizer, env
 
 
-def rollouts(model, tokenizer, env, prompts: int, n: int, max_tokens: int, seed: int):
-    """Samples from a bfloat16 copy of ``model`` served by the embedded engine."""
+def rollouts(model, tokenizer, env, prompts: int, n: int, max_tokens: int, seed: int, weights: str = "bf16"):
+    """Samples from a bfloat16 copy of ``model`` (weights FP8-rounded when ``weights`` is
+    "fp8") served by the embedded engine."""
+    from primerl.models.fp8 import fp8_round_trip_
     from primerl.trainer.main import _chat_ids
     from primerl_embedded.engine import Engine, SamplingParams
 
     served = copy.deepcopy(model).cast_(torch.bfloat16).eval()
+    if weights == "fp8":
+        fp8_round_trip_(served)
     engine = Engine(served, eos_token_ids=[tokenizer.eos_token_id], max_batch_size=min(64, prompts * n), max_model_len=256,
                     kv_slots=prompts * n + 8, num_experts=256)
     tasks = [t for _, t in zip(range(prompts), env.tasks("eval"))]
@@ -135,6 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="inference weights")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--moe-layers", type=int, default=8)
@@ -156,7 +161,7 @@ def main() -> None:
         t0 = time.perf_counter()
         model, tokenizer, env = train(name, args)
         t1 = time.perf_counter()
-        seqs = rollouts(model, tokenizer, env, args.prompts, args.n, args.max_tokens, args.seed)
+        seqs = rollouts(model, tokenizer, env, args.prompts, args.n, args.max_tokens, args.seed, args.weights)
         r = mismatch(model, seqs)
         r.update(train_s=round(t1 - t0, 1), total_s=round(time.perf_counter() - t0, 1))
         reduction[name] = round(r["kl_no_r3"] / max(r["kl_r3"], 1e-30), 2)

@@ -240,3 +240,49 @@ def test_engine_and_trainer_logprobs_agree(arch):
         torch.testing.assert_close(lp, torch.tensor(seq.logprobs), atol=1e-4, rtol=0)
         agree = (out.router_experts[0, : n - pad].sort(-1).values == out.routed_experts[0, : n - pad].sort(-1).values)
         assert agree.all(-1).float().mean() == 1.0  # fp32 on both sides: the trainer's routers agree
+
+
+def test_block_fp8_quantisation_round_trips_and_fp8_checkpoints_load(tmp_path):
+    """DeepSeek/Kimi block-FP8 format: weight float8_e4m3fn + weight_scale_inv per 128x128
+    block; a checkpoint in that format loads dequantised (and is written back plain)."""
+    from safetensors.torch import load_file, save_file
+
+    from primerl.models.fp8 import FP8, dequantize_blockwise, quantize_blockwise
+
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_blockwise(w)
+    assert q.dtype == FP8 and s.shape == (3, 2)
+    deq = dequantize_blockwise(q, s)
+    assert (deq - w).abs().max() <= w.abs().max() * 2**-3  # e4m3: 3 mantissa bits
+    q2, s2 = quantize_blockwise(deq)  # already on the FP8 grid: exact
+    assert torch.equal(dequantize_blockwise(q2, s2), deq)
+    with pytest.raises(ValueError, match="weight_scale_inv shape"):
+        dequantize_blockwise(q, s[:, :1])
+
+    adapter = get_registry().load("model", "kimi")()
+    model = adapter.build(ModelConfig(name="kimi", preset="tiny", seed=1))
+    plain = tmp_path / "plain"
+    adapter.save_checkpoint(model, plain)
+    tensors = load_file(str(plain / "model.safetensors"))
+    fp8, deq = {}, {}  # the FP8 checkpoint, and what it means in float32
+    for key, t in tensors.items():
+        if key.endswith("proj.weight") and t.dim() == 2 and ".mlp.gate." not in key:
+            fp8[key], fp8[key + "_scale_inv"] = quantize_blockwise(t)
+            deq[key] = dequantize_blockwise(fp8[key], fp8[key + "_scale_inv"])
+        else:
+            fp8[key] = deq[key] = t
+    cfg = json.loads((plain / "config.json").read_text())
+    for name, content, quant in (("fp8", fp8, True), ("deq", deq, False)):
+        (tmp_path / name).mkdir()
+        save_file(content, str(tmp_path / name / "model.safetensors"))
+        q = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}} if quant else {}
+        (tmp_path / name / "config.json").write_text(json.dumps({**cfg, **q}))
+    loaded = adapter.build(ModelConfig(name="kimi", checkpoint=str(tmp_path / "fp8")))
+    ref = adapter.build(ModelConfig(name="kimi", checkpoint=str(tmp_path / "deq")))
+    for key, t in ref.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], t), key
+    assert not torch.equal(ref.state_dict()["model.layers.0.self_attn.o_proj.weight"],
+                           model.state_dict()["model.layers.0.self_attn.o_proj.weight"])  # really rounded
+    adapter.save_checkpoint(loaded, tmp_path / "back")
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())

@@ -137,8 +137,6 @@ class HFModelAdapter(ModelAdapter):
 
     def build(self, config: ModelConfig, *, device: str = "cpu") -> torch.nn.Module:
         """Our model, from ``config.checkpoint`` or randomly initialised from ``config.seed``."""
-        import torch
-
         hf = self.config_dict(config)
         model = self.build_from_hf(hf, dtype=config.dtype, seed=None if config.checkpoint else config.seed,
                                    device=device)
@@ -173,11 +171,20 @@ class HFModelAdapter(ModelAdapter):
 
     def load_checkpoint(self, model: torch.nn.Module, directory: Any) -> None:
         """Overwrite ``model``'s weights in place from an HF checkpoint (also weight updates)."""
-        from primerl.models.checkpoint import load_checkpoint
+        import json
+        from pathlib import Path
+
+        from primerl.models.checkpoint import (
+            CONFIG_NAME,
+            fp8_block_size,
+            load_checkpoint,
+        )
 
         c = model.config
+        path = Path(directory) / CONFIG_NAME
+        hf = json.loads(path.read_text()) if path.exists() else {}
         load_checkpoint(model, directory, self.hf_format(), num_layers=c.num_hidden_layers,
-                        tied=c.tie_word_embeddings)
+                        tied=c.tie_word_embeddings, fp8_block=fp8_block_size(hf) or 128)
 
     def save_checkpoint(self, model: torch.nn.Module, directory: Any, tokenizer: Any = None, **kwargs: Any) -> Any:
         """Write an HF checkpoint (see :func:`primerl.models.checkpoint.save_checkpoint`)."""

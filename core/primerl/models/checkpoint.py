@@ -112,17 +112,55 @@ def read_config(directory: str | Path, model_type: str | tuple[str, ...]) -> dic
     return hf
 
 
+def fp8_block_size(hf: dict[str, Any]) -> int | None:
+    """The block size of a block-FP8 checkpoint (``quantization_config``), or None."""
+    q = hf.get("quantization_config") or {}
+    if not q:
+        return None
+    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(
+            f"quantization {q.get('quant_method')!r} is not supported: dequantise the checkpoint to bf16 "
+            "first (block-scaled FP8 e4m3, DeepSeek's format, is read directly)"
+        )
+    rows, cols = q.get("weight_block_size", [128, 128])
+    if rows != cols:
+        raise ValueError(f"FP8 weight_block_size {[rows, cols]} is not square")
+    return int(rows)
+
+
 def load_checkpoint(model: Any, directory: str | Path, fmt: HFFormat, *, num_layers: int,
-                    tied: bool = False) -> None:
+                    tied: bool = False, fp8_block: int = 128) -> None:
     """Copy an HF checkpoint into ``model`` shard by shard (strict: every tensor once).
 
     Tensors are cast to the dtype of the parameter they fill and moved to its device.
-    ``tied``: the model's ``lm_head.weight`` is the embedding and need not be in the file.
+    Block-FP8 weights (``X.weight`` float8_e4m3fn with ``X.weight_scale_inv``) are
+    dequantised as they are read. ``tied``: the model's ``lm_head.weight`` is the
+    embedding and need not be in the file.
     """
     import torch
     from safetensors import safe_open
 
+    from primerl.models.fp8 import FP8, dequantize_blockwise
+
     directory = Path(directory)
+    scales: dict[str, Any] = {}  # FP8 scales are tiny (1/16384 of their weight): read them first
+    for path in shard_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118
+                if key.endswith("_scale_inv"):
+                    scales[key] = f.get_tensor(key)
+    used_scales: set[str] = set()
+
+    def read(f: Any, key: str) -> torch.Tensor:
+        t = f.get_tensor(key)
+        if t.dtype == FP8:
+            scale = key + "_scale_inv"
+            if scale not in scales:
+                raise ValueError(f"{key} is float8 but the checkpoint has no {scale}")
+            used_scales.add(scale)
+            return dequantize_blockwise(t, scales[scale], torch.float32, fp8_block)
+        return t
+
     targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
     required = set(targets) - ({"lm_head.weight"} if tied else set())
     filled: set[str] = set()
@@ -140,12 +178,14 @@ def load_checkpoint(model: Any, directory: str | Path, fmt: HFFormat, *, num_lay
     for path in shard_files(directory):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if key in scales:
+                    continue
                 layer = layer_key.match(key)
                 if layer and int(layer.group(1)) >= num_layers:
                     continue  # multi-token-prediction layers are not part of the model
                 name = fmt.to_model_name(key)
                 if name in targets:
-                    copy(key, targets[name], f.get_tensor(key))
+                    copy(key, targets[name], read(f, key))
                     filled.add(name)
                     continue
                 m = expert_key.fullmatch(name)
@@ -159,13 +199,15 @@ def load_checkpoint(model: Any, directory: str | Path, fmt: HFFormat, *, num_lay
                 dst = targets[target][e]  # [sum of part rows, in]
                 rows = dst.shape[0] // len(spec.parts)
                 i = spec.parts.index(part)
-                copy(key, dst[i * rows:(i + 1) * rows], f.get_tensor(key))
+                copy(key, dst[i * rows:(i + 1) * rows], read(f, key))
                 parts_seen.setdefault(target, set()).add((e, part))
 
     for target, seen in parts_seen.items():
         spec = fused[target.rpartition(".")[2]]
         if seen == {(e, p) for e in range(targets[target].shape[0]) for p in spec.parts}:
             filled.add(target)
+    unexpected += sorted(k for k in set(scales) - used_scales
+                         if not (layer_key.match(k) and int(layer_key.match(k).group(1)) >= num_layers))
     missing = sorted(required - filled)
     if missing or unexpected:
         raise ValueError(
@@ -189,6 +231,7 @@ def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any]
     directory.mkdir(parents=True, exist_ok=True)
     hf = {**hf_config, "dtype": str(model.dtype).removeprefix("torch.")}
     hf.pop("torch_dtype", None)
+    hf.pop("quantization_config", None)  # we write plain (dequantised) weights
     if tokenizer is not None:
         for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
             if hf.get(key) is None and getattr(tokenizer, key, None) is not None:
