@@ -73,9 +73,12 @@ def train(name: str, args) -> tuple:
     cfg.env = get_registry().load("env", "reverse-text").Config(name="reverse-text", max_words=2)
     cfg.sft.steps, cfg.sft.lr, cfg.sft.batch_size = args.sft_steps, args.lr, 16
     cfg.trainer.seq_len = 512
+    cfg.trainer.router_bias_update_rate = args.balance  # trained routers are load-balanced
     torch.manual_seed(args.seed)
     adapter = get_registry().load("model", name)()
-    hf = routing_shape(name, adapter.hf_config("tiny"), args.experts, args.top_k, args.moe_layers, args.expert_width)
+    hf = adapter.hf_config("tiny")
+    if args.experts:
+        hf = routing_shape(name, hf, args.experts, args.top_k, args.moe_layers, args.expert_width)
     model = adapter.build_from_hf(hf, seed=args.seed).train()
     tokenizer = adapter.tokenizer(cfg.model)
     sft_warmup(cfg, model, tokenizer)
@@ -87,7 +90,7 @@ def rollouts(model, tokenizer, env, prompts: int, n: int, max_tokens: int, seed:
     """Samples from a bfloat16 copy of ``model`` (weights FP8-rounded when ``weights`` is
     "fp8") served by the embedded engine."""
     from primerl.models.fp8 import fp8_round_trip_
-    from primerl.trainer.main import _chat_ids
+    from primerl.envs.multiturn import prompt_ids
     from primerl_embedded.engine import Engine, SamplingParams
 
     served = copy.deepcopy(model).cast_(torch.bfloat16).eval()
@@ -98,7 +101,7 @@ def rollouts(model, tokenizer, env, prompts: int, n: int, max_tokens: int, seed:
     tasks = [t for _, t in zip(range(prompts), env.tasks("eval"))]
     seqs = []
     for i, task in enumerate(tasks):
-        ids = _chat_ids(tokenizer, task.messages(env.system_prompt))
+        ids = prompt_ids(tokenizer, task.messages(env.system_prompt))
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i, n=n, logprobs=0,
                                 return_routed_experts=True)
         seqs += engine.submit(ids, params)
@@ -138,13 +141,15 @@ def mismatch(model, seqs) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", default=",".join(ARCHS))
-    ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--sft-steps", type=int, default=200)
+    ap.add_argument("--balance", type=float, default=1e-3, help="router bias update rate while training")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="inference weights")
-    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--experts", type=int, default=0,
+                    help="0: the tiny presets as shipped; else this many experts (with the options below)")
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--moe-layers", type=int, default=8)
     ap.add_argument("--expert-width", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -155,6 +160,8 @@ def main() -> None:
     # Every expert on every token (one matmul) instead of a loop over experts: at these
     # widths it is many times faster on a CPU, and engine and trainer both use it.
     layers.DENSE_EXPERTS_MAX_RATIO = max(layers.DENSE_EXPERTS_MAX_RATIO, args.experts // args.top_k)
+    routing = (f"top-{args.top_k} of {args.experts} experts, {args.moe_layers} MoE layers" if args.experts
+               else "tiny presets")
 
     results, reduction = {}, {}
     for name in args.archs.split(","):
@@ -168,7 +175,7 @@ def main() -> None:
         results[name] = r
         print(json.dumps({"model": name, **r, "kl_reduction": reduction[name]}), flush=True)
     print(json.dumps({"kl_reduction": reduction, "inference_dtype": "bfloat16", "trainer_dtype": "float32",
-                      "sft_steps": args.sft_steps, "routing": f"top-{args.top_k} of {args.experts} experts, {args.moe_layers} MoE layers",
+                      "sft_steps": args.sft_steps, "routing": routing, "weights": args.weights,
                       "results": results}))
 
 

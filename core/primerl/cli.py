@@ -30,7 +30,9 @@ app = typer.Typer(
 plugins_app = typer.Typer(help="List and inspect installed plugins.", no_args_is_help=True)
 models_app = typer.Typer(help="Inspect model plugins and their presets.", no_args_is_help=True)
 app.add_typer(plugins_app, name="plugins")
+env_app = typer.Typer(help="Inspect and validate environments.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+app.add_typer(env_app, name="env")
 
 # piped output (CI logs, `| less`) gets a wide table instead of 80 folded columns
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -124,6 +126,43 @@ def models_show(
         typer.echo(json.dumps(cfg, indent=2, sort_keys=True))
     else:
         console.print_json(json.dumps(cfg, sort_keys=True))
+
+
+# --------------------------------------------------------------------------------------
+# env
+# --------------------------------------------------------------------------------------
+
+
+@env_app.command("check", context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
+def env_check(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Environment plugin, e.g. swe"),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="Task file (sets env.tasks)."),
+    oracle: bool = typer.Option(False, "--oracle", help="Score the reference solutions instead of none."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {instance_id, reward}."),
+) -> None:
+    """Validate an environment's dataset: the reward of every task with the reference
+    solution (--oracle) or without any (exit code 1 when --oracle leaves a task below 1)."""
+    from primerl.registry import get_registry
+
+    cfg = _resolve(ctx, {"env.name": name, **({"env.tasks": tasks} if tasks else {})})
+    env = get_registry().load("env", name)(cfg.env)
+    if not hasattr(env, "check"):
+        raise PrimerlError(f"environment '{name}' has no dataset check (it defines no check() method)")
+    results = env.check(oracle=oracle)
+    if as_json:
+        typer.echo(json.dumps(results, indent=2))
+    else:
+        table = Table(title=f"{name}: {'with' if oracle else 'without'} reference solutions")
+        table.add_column("instance_id")
+        table.add_column("reward", justify="right")
+        for r in results:
+            table.add_row(r["instance_id"], f"{r['reward']:.2f}" + (f"  ({r['error']})" if r.get("error") else ""))
+        console.print(table)
+        mean = sum(r["reward"] for r in results) / max(len(results), 1)
+        typer.echo(f"{len(results)} tasks, mean reward {mean:.3f}")
+    if oracle and any(r["reward"] < 1 for r in results):
+        raise typer.Exit(1)
 
 
 # --------------------------------------------------------------------------------------

@@ -85,6 +85,9 @@ class TrainerConfig:
     # per-layer routing agreement with inference (needs the engine's routed experts, which
     # the orchestrator then requests for every sample)
     routing_metrics: bool = True
+    # aux-loss-free MoE load balancing: per-step move of the routers' correction bias
+    # (DeepSeek-V3 uses 1e-3 in pretraining; 0 leaves a pretrained model's routing alone)
+    router_bias_update_rate: float = attrs.field(default=0.0, validator=_non_negative)
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = only at the end
     # how weights reach inference: "filesystem" (HF checkpoints in the run directory, any
     # node) or "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)
@@ -101,6 +104,7 @@ class OrchestratorConfig:
     temperature: float = attrs.field(default=1.0, validator=_non_negative)
     top_p: float = 1.0
     max_concurrent: int = attrs.field(default=256, validator=_positive)  # samples in flight
+    env_workers: int = attrs.field(default=4, validator=_positive)  # processes running multi-turn env code
     async_level: int = attrs.field(default=1, validator=_non_negative)
     max_off_policy_steps: int = attrs.field(default=8, validator=_non_negative)
     advantage: str = "grpo"

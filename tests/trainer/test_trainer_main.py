@@ -46,7 +46,7 @@ def _write_rollouts(cfg, steps):
         samples = []
         for _group in range(2):
             task = next(tasks)
-            prompt = trainer._chat_ids(tok, task.messages(env.system_prompt))
+            prompt = trainer.prompt_ids(tok, task.messages(env.system_prompt))
             rewards = []
             for k in range(2):
                 text = task.answer if k == 0 else task.answer[::-1]

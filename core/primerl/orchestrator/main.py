@@ -36,6 +36,8 @@ import attrs
 
 from primerl.config import RunConfig
 from primerl.envs import Environment, Task
+from primerl.envs.multiturn import MultiTurnEnv, prompt_ids, turn_suffix
+from primerl.envs.workers import EnvWorkers
 from primerl.registry import get_registry
 from primerl.rundir import SHM_LINK, STABLE, step_name
 
@@ -86,7 +88,13 @@ class InferenceClient:
                 await asyncio.sleep(0.2)
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        r = await self.http.post(next(self._rr) + "/v1/chat/completions", json=body)
+        return await self._post("/v1/chat/completions", body)
+
+    async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._post("/v1/completions", body)
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = await self.http.post(next(self._rr) + path, json=body)
         if r.status_code != 200:
             raise RuntimeError(f"inference request failed ({r.status_code}): {r.text[:500]}")
         return r.json()
@@ -120,6 +128,12 @@ class Orchestrator:
         # rewards may call slow verifiers; one thread per in-flight sample keeps them overlapped
         self.scorer = ThreadPoolExecutor(max_workers=max(self.o.max_concurrent, self.o.group_size),
                                          thread_name_prefix="score")
+        # multi-turn envs run in worker processes and need the tokenizer to append env turns
+        self.workers: EnvWorkers | None = None
+        self.tokenizer: Any = None
+        if isinstance(env, MultiTurnEnv):
+            self.workers = EnvWorkers(cfg.env.name, cfg.env, self.o.env_workers)
+            self.tokenizer = get_registry().load("model", cfg.model.name)().tokenizer(cfg.model)
 
     def _task_stream(self) -> Iterator[Task]:
         rng = random.Random(self.cfg.seed)
@@ -185,6 +199,9 @@ class Orchestrator:
         self.finished.put_nowait(group)
 
     async def rollout(self, group: Group) -> None:
+        if self.workers is not None:
+            await self.multi_turn_rollout(group)
+            return
         o = self.o
         body = {
             "model": self.cfg.model.name,
@@ -215,6 +232,66 @@ class Orchestrator:
             })
             group.tokens += len(ids)
         self.tokens_since_batch += group.tokens
+
+    async def multi_turn_rollout(self, group: Group) -> None:
+        """``group_size`` independent episodes of one task; any failed episode fails the group."""
+        timeout = getattr(self.cfg.env, "episode_timeout_s", None)
+        episodes = await asyncio.gather(*(asyncio.wait_for(self.episode(group.task), timeout)
+                                          for _ in range(self.o.group_size)))
+        for sample in episodes:
+            group.samples.append(sample)
+            group.tokens += sum(sample["loss_mask"])
+        self.tokens_since_batch += group.tokens
+
+    async def episode(self, task: Task) -> dict[str, Any]:
+        """One token-exact multi-turn episode: model turns via /v1/completions on the
+        growing token sequence, env turns from the env workers, appended as tokens."""
+        o, env, tok = self.o, self.env, self.tokenizer
+        turn_timeout = getattr(self.cfg.env, "turn_timeout_s", None)
+        max_turns = getattr(self.cfg.env, "max_turns", 8)
+        max_len = self.cfg.inference.max_model_len
+        state = await self.workers.call("setup", task, timeout=turn_timeout)
+        try:
+            messages = task.messages(env.system())
+            ids = prompt_ids(tok, messages)
+            mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+            routed = None
+            for _ in range(max_turns):
+                budget = min(o.max_tokens, max_len - len(ids) - 1)
+                if budget <= 0:
+                    break
+                resp = await self.client.completions({
+                    "model": self.cfg.model.name, "prompt": ids, "max_tokens": budget,
+                    "temperature": o.temperature, "top_p": o.top_p, "logprobs": 0,
+                    "return_routed_experts": self.cfg.trainer.router_replay or self.cfg.trainer.routing_metrics,
+                })
+                choice = resp["choices"][0]
+                out = choice["token_ids"]
+                ids, mask = ids + out, mask + [1] * len(out)
+                logprobs += choice["logprobs"]["token_logprobs"]
+                versions += choice["policy_versions"]
+                routed = choice.get("routed_experts") or routed
+                text = tok.decode(out, skip_special_tokens=True)
+                turn = await self.workers.call("step", task, state, text, timeout=turn_timeout)
+                state = turn.state
+                messages = messages + [{"role": "assistant", "content": text}]
+                if turn.done or not turn.messages:
+                    break
+                delta = turn_suffix(tok, messages, turn.messages)
+                messages = messages + turn.messages
+                if len(ids) + len(delta) >= max_len:
+                    break  # no room for another model turn
+                ids, mask = ids + delta, mask + [0] * len(delta)
+                logprobs, versions = logprobs + [0.0] * len(delta), versions + [-1] * len(delta)
+            reward = await self.workers.call("score", task, state, timeout=turn_timeout)
+        finally:
+            try:
+                await self.workers.call("cleanup", task, state, timeout=turn_timeout)
+            except Exception as e:  # noqa: BLE001 - cleanup failing must not lose the episode
+                log(f"cleanup of task {task.id} failed: {e}")
+        return {"tokens": ids, "loss_mask": mask, "logprobs": logprobs, "versions": versions, "reward": reward,
+                "temperature": o.temperature, "routed_experts": _decode_routed(routed), "task_id": task.id,
+                "turns": sum(1 for m in messages if m["role"] == "assistant")}
 
     # ---- batches --------------------------------------------------------------------------
     async def write_batches(self) -> None:
@@ -255,6 +332,8 @@ class Orchestrator:
                 "seq_len/mean": sum(len(s["tokens"]) for s in samples) / len(samples),
                 "completion_len/mean": sum(sum(s["loss_mask"]) for s in samples) / len(samples),
             }
+            if "turns" in samples[0]:
+                metrics["turns/mean"] = sum(s["turns"] for s in samples) / len(samples)
             self.tokens_since_batch = 0
             last = now
             self.next_batch = n + 1
@@ -281,6 +360,8 @@ class Orchestrator:
                 job.cancel()
             await asyncio.gather(*jobs, *self.in_flight, return_exceptions=True)
             self.scorer.shutdown(wait=False, cancel_futures=True)
+            if self.workers is not None:
+                self.workers.close()
 
 
 def write_batch(path: Path, batch: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ import attrs
 import torch
 
 from primerl.config import RunConfig
+from primerl.envs.multiturn import prompt_ids
 from primerl.rundir import SHM_LINK, STABLE, step_name
 from primerl.sampling import token_logprobs
 from primerl.trainer.loss import get_loss
@@ -133,6 +134,39 @@ def routing_agreement(own: torch.Tensor, inference: torch.Tensor, valid: torch.T
     return (same & valid[..., None]).sum((0, 1))
 
 
+class RouterBalancer:
+    """Aux-loss-free load balancing (DeepSeek-V3): after each optimizer step, every sigmoid
+    router's ``e_score_correction_bias`` moves by ``rate`` towards its under-loaded experts
+    (+rate) and away from its over-loaded ones (-rate), counted over the step's tokens.
+
+    The bias steers which experts are chosen, never their weights, so it needs no
+    gradient. ``rate`` 0 (the default for RL from a pretrained checkpoint) leaves routing
+    alone; pretraining-style runs use about 1e-3.
+    """
+
+    def __init__(self, model: torch.nn.Module, rate: float) -> None:
+        self.rate = rate
+        self.routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+        self.loads: torch.Tensor | None = None  # [L, E] tokens per expert this step
+
+    def observe(self, router_experts: torch.Tensor, valid: torch.Tensor) -> None:
+        """router_experts: [k, m, L, top_k] the routers' own choice; valid: [k, m] bool."""
+        if not self.rate or not self.routers:
+            return
+        ids = router_experts[valid].long().permute(1, 0, 2).flatten(1)  # [L, n * top_k]
+        E = self.routers[0].e_score_correction_bias.shape[0]
+        loads = torch.zeros(ids.shape[0], E).scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32))
+        self.loads = loads if self.loads is None else self.loads + loads
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.loads is not None:
+            for router, load in zip(self.routers, self.loads, strict=True):
+                bias = router.e_score_correction_bias
+                bias += self.rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
+        self.loads = None
+
+
 def rl_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -149,6 +183,7 @@ def rl_step(
     total_loss = 0.0
     sums: dict[str, float] = {}
     agreed, routed_tokens = None, 0  # per-layer token counts of trainer/inference routing agreement
+    balancer = RouterBalancer(model, t.router_bias_update_rate)
     # several rows per forward: fewer, larger ops (CPU time is mostly per-op overhead)
     for r in range(0, packed.num_rows, t.micro_batch_rows):
         row = packed.rows(r, min(r + t.micro_batch_rows, packed.num_rows))
@@ -158,6 +193,7 @@ def rl_step(
         if not bool(mask.any()):
             continue  # nothing to learn from these rows
         lp, out = row_forward(model, row, replay)
+        balancer.observe(out.router_experts, valid.view(k, m))
         lp = lp.flatten()[valid]  # [n]
         if t.routing_metrics and row["replay_experts"] is not None and out.router_experts.shape[2]:
             agree = routing_agreement(out.router_experts, row["replay_experts"], valid.view(k, m))
@@ -178,6 +214,7 @@ def rl_step(
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)) if params else 0.0
     optimizer.step()
+    balancer.step()
     out = {k: v / normalizer for k, v in sums.items()}
     out.setdefault("mismatch_kl", 0.0)
     out.setdefault("masked_fraction", 0.0)
@@ -194,13 +231,6 @@ def rl_step(
 # --------------------------------------------------------------------------------------
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def sft_samples(env: Any, tasks: list[Any], tokenizer: Any) -> list[dict[str, Any]]:
     """Prompt (chat template, generation prompt) + answer + eos; loss on answer and eos only."""
     samples = []
@@ -210,7 +240,7 @@ def sft_samples(env: Any, tasks: list[Any], tokenizer: Any) -> list[dict[str, An
                 f"sft.steps > 0 needs reference answers, but task {task.id!r} of env "
                 f"{type(env).__name__} has none: set --sft.steps 0"
             )
-        prompt = _chat_ids(tokenizer, task.messages(env.system_prompt))
+        prompt = prompt_ids(tokenizer, task.messages(env.system_prompt))
         answer = list(tokenizer.encode(task.answer, add_special_tokens=False)) + [tokenizer.eos_token_id]
         samples.append({"tokens": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)})
     return samples
@@ -223,6 +253,7 @@ def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> None:
     env = get_registry().load("env", cfg.env.name)(cfg.env)
     s = cfg.sft
     optimizer = make_optimizer(model, s.lr, cfg.trainer.weight_decay)
+    balancer = RouterBalancer(model, cfg.trainer.router_bias_update_rate)
 
     def cycle():
         while True:
@@ -246,12 +277,14 @@ def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> None:
             mask = row["loss_mask"]  # [k, m]; padding is never a loss token
             if not bool(mask.any()):
                 continue
-            lp, _ = row_forward(model, row, replay=False)  # [k, m]
+            lp, out = row_forward(model, row, replay=False)  # [k, m]
+            balancer.observe(out.router_experts, row["lengths"][:, None] > torch.arange(mask.shape[1]))
             loss = -(lp * mask).sum() / normalizer
             loss.backward()
             total += float(loss.detach())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm))
         optimizer.step()
+        balancer.step()
         if step == 1 or step == s.steps or step % 10 == 0:
             log(f"sft step {step}/{s.steps} loss {total:.4f} grad_norm {grad_norm:.3f} "
                 f"({time.perf_counter() - t0:.1f}s)")

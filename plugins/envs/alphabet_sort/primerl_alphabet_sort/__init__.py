@@ -1,0 +1,1 @@
+"""primerl-env-alphabet-sort: a multi-turn sorting environment."""

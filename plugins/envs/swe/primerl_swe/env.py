@@ -1,0 +1,240 @@
+"""The ``swe`` environment: fix a bug in a real repository with tools, judged by its tests.
+
+Tasks come from a SWE-bench-format JSONL (``--env.tasks FILE``; ``repo`` is a local git
+repository, relative paths are relative to the file). Each episode gets a scratch
+checkout of ``base_commit``; the agent inspects and edits it with file tools (checked to
+stay inside the checkout, symlinks included) and runs commands and tests in the sandbox
+(:mod:`primerl_swe.sandbox`). When the agent submits or runs out of turns, the files that
+``test_patch`` touches are reset to ``base_commit``, ``test_patch`` is applied, and the
+reward is 1 if every FAIL_TO_PASS and PASS_TO_PASS test passes, else 0 — the SWE-bench
+harness's rule.
+
+``primerl env check swe --tasks FILE [--oracle] [--json]`` validates a dataset the same
+way: with ``--oracle`` the gold ``patch`` is applied first, without it nothing is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from primerl.envs import Task
+from primerl.envs.multiturn import MultiTurnConfig, ToolEnv
+from primerl_swe import repo, sandbox
+
+FIELDS = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch", "FAIL_TO_PASS",
+          "PASS_TO_PASS")
+
+
+def _check_tasks(_inst: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None and not Path(value).is_file():
+        raise ValueError(f"{attribute.name}: {value!r} is not a file; build the shipped set with "
+                         "`python -m primerl_swe.build_tasks --out DIR` and pass DIR/tasks.jsonl")
+
+
+@attrs.define(kw_only=True)
+class SweConfig(MultiTurnConfig):
+    tasks: str | None = attrs.field(default=None, validator=_check_tasks)  # SWE-bench-format JSONL
+    sandbox: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "bwrap", "rlimit")))
+    command_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    test_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+    memory_mb: int = attrs.field(default=2048, validator=attrs.validators.ge(64))
+    max_turns: int = attrs.field(default=20, validator=attrs.validators.ge(1))
+    turn_timeout_s: float = attrs.field(default=180.0, validator=attrs.validators.gt(0))
+
+
+def load_tasks(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a SWE-bench-format JSONL, validated (errors name the line and the field)."""
+    path = Path(path)
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        missing = [f for f in FIELDS if f not in rec]
+        if missing:
+            raise ValueError(f"{path}:{n}: missing fields {missing}; a task needs {', '.join(FIELDS)}")
+        for f in ("FAIL_TO_PASS", "PASS_TO_PASS"):
+            if isinstance(rec[f], str):  # SWE-bench ships these as JSON strings
+                rec[f] = json.loads(rec[f])
+        rec["repo"] = str((path.parent / rec["repo"]).resolve())
+        out.append(rec)
+    if not out:
+        raise ValueError(f"{path} holds no tasks")
+    return out
+
+
+class Swe(ToolEnv):
+    Config = SweConfig
+    system_prompt = ("You fix a bug in the repository in your working directory. Inspect the code, edit it, "
+                     "run the tests, then call submit.")
+    tools = ("list_files", "read_file", "search", "write_file", "replace", "run", "run_tests", "submit")
+    run_defaults = {
+        "orchestrator": {"batch_size": 4, "group_size": 2, "max_tokens": 128, "temperature": 1.0,
+                         "async_level": 1, "max_off_policy_steps": 4},
+        "trainer": {"lr": 4e-4, "seq_len": 4096},
+        "inference": {"max_model_len": 4096, "kv_slots": 16, "max_batch_size": 16},
+        "env": {"max_turns": 4},
+    }
+
+    def __init__(self, config: SweConfig | None = None) -> None:
+        super().__init__(config)
+        self._records: dict[str, dict[str, Any]] | None = None
+
+    # -- tasks -----------------------------------------------------------------------------
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        if self._records is None:
+            if self.config.tasks is None:
+                raise ValueError("the swe environment needs --env.tasks FILE (a SWE-bench-format JSONL); "
+                                 "`python -m primerl_swe.build_tasks --out DIR` builds the shipped set")
+            self._records = {r["instance_id"]: r for r in load_tasks(self.config.tasks)}
+        return self._records
+
+    def tasks(self, split: str) -> Iterator[Task]:
+        if split not in ("train", "eval"):
+            raise ValueError(f"swe has splits 'train' and 'eval', not {split!r}")
+        for rec in self.records().values():
+            yield Task(id=rec["instance_id"], prompt=f"Issue:\n{rec['problem_statement']}",
+                       info={"instance_id": rec["instance_id"]})
+
+    def _record(self, task: Task) -> dict[str, Any]:
+        return self.records()[task.info.get("instance_id", task.id)]
+
+    # -- episode -----------------------------------------------------------------------------
+
+    def setup(self, task: Task) -> dict[str, Any]:
+        rec = self._record(task)
+        sandbox.resolve(self.config.sandbox)  # fail before the episode if there is no sandbox
+        work = repo.checkout(rec["repo"], rec["base_commit"])
+        return {"workdir": str(work), "submitted": False}
+
+    def cleanup(self, task: Task, state: dict[str, Any]) -> None:
+        if state.get("workdir"):
+            repo.remove(Path(state["workdir"]))
+
+    def reward(self, task: Task, state: dict[str, Any]) -> float:
+        return self.evaluate(self._record(task), Path(state["workdir"]))
+
+    def evaluate(self, rec: dict[str, Any], work: Path) -> float:
+        """SWE-bench's rule: reset the test files, apply test_patch, run FAIL_TO_PASS + PASS_TO_PASS."""
+        touched = re.findall(r"^diff --git a/(\S+) b/", rec["test_patch"], re.M)
+        for f in touched:
+            existed = repo.git(["-c", "safe.directory=*", "ls-tree", "--name-only", rec["base_commit"], "--", f], work).strip()
+            if existed:
+                repo.git(["-c", "safe.directory=*", "checkout", rec["base_commit"], "--", f], work)
+            else:
+                (work / f).unlink(missing_ok=True)
+        try:
+            repo.apply_patch(work, rec["test_patch"])
+        except repo.RepoError:
+            return 0.0
+        sandbox.make_writable(work)
+        tests = [*rec["FAIL_TO_PASS"], *rec["PASS_TO_PASS"]]
+        limits = sandbox.Limits(wall_s=self.config.test_timeout_s, cpu_s=int(self.config.test_timeout_s),
+                                memory_mb=self.config.memory_mb)
+        outcomes, _ = repo.run_tests(work, tests, kind=self.config.sandbox, limits=limits)
+        return float(all(outcomes.get(t) == "PASSED" for t in tests))
+
+    # -- tools (each gets the episode state first) -------------------------------------------
+
+    def _path(self, state: dict[str, Any], path: str) -> Path:
+        root = Path(state["workdir"]).resolve()
+        p = (root / path).resolve()  # follows symlinks: a link pointing outside is refused
+        if p != root and root not in p.parents:
+            raise PermissionError(f"{path} is outside the repository")
+        return p
+
+    def list_files(self, state: dict[str, Any], path: str = ".") -> str:
+        """List the files under a directory of the repository."""
+        base = self._path(state, path)
+        root = Path(state["workdir"]).resolve()
+        files = sorted(str(p.relative_to(root)) for p in base.rglob("*")
+                       if p.is_file() and ".git" not in p.relative_to(root).parts)
+        return "\n".join(files[:500]) or "(no files)"
+
+    def read_file(self, state: dict[str, Any], path: str, start: int = 1, end: int = 200) -> str:
+        """Show lines start..end of a file, numbered."""
+        lines = self._path(state, path).read_text(errors="replace").splitlines()
+        return "\n".join(f"{i:5d}  {line}" for i, line in enumerate(lines[start - 1 : end], start))
+
+    def search(self, state: dict[str, Any], pattern: str, path: str = ".") -> str:
+        """Lines matching a regular expression, as file:line: text."""
+        rx = re.compile(pattern)
+        root = Path(state["workdir"]).resolve()
+        hits = []
+        for p in sorted(self._path(state, path).rglob("*")):
+            if p.is_file() and ".git" not in p.relative_to(root).parts:
+                for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+                    if rx.search(line):
+                        hits.append(f"{p.relative_to(root)}:{i}: {line}")
+        return "\n".join(hits[:200]) or "(no matches)"
+
+    def write_file(self, state: dict[str, Any], path: str, content: str) -> str:
+        """Create or overwrite a file."""
+        p = self._path(state, path)
+        if p.is_symlink():
+            raise PermissionError(f"{path} is a symlink")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(content)
+        sandbox.make_writable(p.parent)
+        return f"wrote {len(content)} characters to {path}"
+
+    def replace(self, state: dict[str, Any], path: str, old: str, new: str) -> str:
+        """Replace the one occurrence of old with new in a file."""
+        p = self._path(state, path)
+        text = p.read_text()
+        n = text.count(old)
+        if n != 1:
+            return f"error: old text occurs {n} times in {path}; it must occur exactly once"
+        p.write_text(text.replace(old, new))
+        return f"edited {path}"
+
+    def run(self, state: dict[str, Any], command: str) -> str:
+        """Run a shell command in the repository (sandboxed, no network)."""
+        limits = sandbox.Limits(wall_s=self.config.command_timeout_s, cpu_s=int(self.config.command_timeout_s),
+                                memory_mb=self.config.memory_mb)
+        return sandbox.run(command, Path(state["workdir"]), kind=self.config.sandbox, limits=limits).describe()
+
+    def run_tests(self, state: dict[str, Any], tests: str = "") -> str:
+        """Run pytest on the given test ids (space-separated), or on all tests."""
+        limits = sandbox.Limits(wall_s=self.config.test_timeout_s, cpu_s=int(self.config.test_timeout_s),
+                                memory_mb=self.config.memory_mb)
+        cmd = f"python -m pytest -q -p no:cacheprovider {tests}".strip()
+        return sandbox.run(cmd, Path(state["workdir"]), kind=self.config.sandbox, limits=limits).describe()
+
+    def submit(self, state: dict[str, Any]) -> str:
+        """Finish: your changes are evaluated."""
+        state["submitted"] = True
+        return "submitted"
+
+    # -- dataset validation ------------------------------------------------------------------
+
+    def check(self, oracle: bool = False, workers: int = 4) -> list[dict[str, Any]]:
+        """Each task's reward with the gold patch applied (``oracle``) or with none."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(rec: dict[str, Any]) -> dict[str, Any]:
+            try:
+                work = repo.checkout(rec["repo"], rec["base_commit"])
+            except repo.RepoError as e:
+                return {"instance_id": rec["instance_id"], "reward": 0.0, "error": str(e)}
+            try:
+                if oracle:
+                    repo.apply_patch(work, rec["patch"])
+                return {"instance_id": rec["instance_id"], "reward": self.evaluate(rec, work)}
+            except repo.RepoError as e:
+                return {"instance_id": rec["instance_id"], "reward": 0.0, "error": str(e)}
+            finally:
+                repo.remove(work)
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(one, self.records().values()))

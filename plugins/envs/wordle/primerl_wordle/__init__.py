@@ -1,0 +1,1 @@
+"""primerl-env-wordle: the Wordle game as a multi-turn environment."""
