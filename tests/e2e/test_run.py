@@ -127,3 +127,36 @@ def test_every_model_trains_with_and_without_router_replay(model, replay, tmp_pa
     assert (out / "checkpoints" / "step_000001" / "config.json").exists()
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert "not replaying" not in trainer_log
+
+
+def test_multi_turn_wordle_run_completes(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "wordle",
+                        "--max-steps", "2", "--output-dir", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2] and rows[0]["turns/mean"] > 1
+    import torch
+
+    batch = torch.load(out / "rollouts" / "step_000001.pt", weights_only=False)
+    for s in batch["samples"]:  # token-exact: env turns carry no loss, model turns do
+        assert len(s["tokens"]) == len(s["loss_mask"]) == len(s["logprobs"])
+        assert 0 < sum(s["loss_mask"]) < len(s["tokens"])
+
+
+@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
+def test_swe_run_completes(tmp_path):
+    from primerl_swe.build_tasks import build
+
+    tasks = build(tmp_path / "swe")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "swe",
+                        "--env.tasks", str(tasks), "--max-steps", "1", "--output-dir", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 0.0 <= row["reward/mean"] <= 1.0
+    import tempfile
+
+    leftovers = list(Path(tempfile.gettempdir(), "primerl-swe").glob("*/primerl-swe-*"))
+    assert leftovers == []  # every scratch checkout was removed

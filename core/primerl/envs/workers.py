@@ -23,18 +23,38 @@ class EnvCallError(RuntimeError):
 
 
 def _serve(conn: Any, env_name: str, env_config: Any) -> None:
-    from primerl.registry import get_registry
+    import signal
 
-    env = get_registry().load("env", env_name)(env_config)
-    while True:
-        try:
-            method, args = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send(("ok", getattr(env, method)(*args)))
-        except Exception as e:  # reported to the caller, the worker stays up
-            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+    # A worker ends when its pipe closes (the orchestrator closed the pool, or died), never
+    # on the signals sent to the orchestrator's process group: it must get to env.close().
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if ":" in env_name:  # "module:Class", as plugins register them
+        import importlib
+
+        module, _, attr = env_name.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+    else:
+        from primerl.registry import get_registry
+
+        cls = get_registry().load("env", env_name)
+    env = cls(env_config)
+    try:
+        while True:
+            try:
+                method, args = conn.recv()
+            except (EOFError, OSError):  # the orchestrator closed the pool, or died
+                return
+            try:
+                reply = ("ok", getattr(env, method)(*args))
+            except Exception as e:  # reported to the caller, the worker stays up
+                reply = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+            try:
+                conn.send(reply)
+            except (BrokenPipeError, OSError):  # nobody is listening any more
+                return
+    finally:
+        getattr(env, "close", lambda: None)()  # release what the env holds (scratch checkouts)
 
 
 class _Worker:
@@ -44,27 +64,33 @@ class _Worker:
                                 name=f"primerl-env-{env_name}")
         self.proc.start()
         child.close()
+        self.broken = False  # its pipe failed: never use it again
 
     def call(self, method: str, args: tuple) -> Any:
-        self.conn.send((method, args))
         try:
+            self.conn.send((method, args))
             reply = self.conn.recv()
         except (EOFError, OSError):
+            self.broken = True
             raise EnvCallError(f"env worker died during {method} (exit code {self.proc.exitcode})") from None
         if reply[0] == "error":
             raise EnvCallError(f"{method} failed: {reply[1]}\n{reply[2]}")
         return reply[1]
 
-    def kill(self) -> None:
+    def kill(self, grace_s: float = 0.0) -> None:
+        """Stop the worker: close its pipe (it then calls ``env.close()`` and exits), and
+        after ``grace_s`` kill it if it is still there (a stuck call)."""
+        if not self.conn.closed:
+            self.conn.close()
+        self.proc.join(timeout=grace_s)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=5)
-        self.conn.close()
 
 
 class EnvWorkers:
     """``processes`` env workers; ``await call(method, *args, timeout=s)`` runs
-    ``env.method(*args)`` in a free one."""
+    ``env.method(*args)`` in a free one. ``env_name`` is a registered env or "module:Class"."""
 
     def __init__(self, env_name: str, env_config: Any, processes: int) -> None:
         self.env_name, self.env_config = env_name, env_config
@@ -75,6 +101,7 @@ class EnvWorkers:
             self.idle.put_nowait(w)
         self.threads = ThreadPoolExecutor(max_workers=processes, thread_name_prefix="env-call")
         self.replaced = 0
+        self.closing = False  # set before cancelling calls at shutdown: close() stops the workers
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
@@ -92,10 +119,11 @@ class EnvWorkers:
             worker = self._replace(worker)
             raise EnvCallError(f"env {self.env_name}.{method} took longer than {timeout:.0f}s; worker killed") from None
         except asyncio.CancelledError:
-            worker = self._replace(worker)  # its call may still be running: never hand it out again
+            if not self.closing:
+                worker = self._replace(worker)  # its call may still be running: never hand it out again
             raise
         except EnvCallError:
-            if not worker.proc.is_alive():
+            if worker.broken or not worker.proc.is_alive():
                 worker = self._replace(worker)
             raise
         finally:
@@ -103,6 +131,11 @@ class EnvWorkers:
         return result
 
     def close(self) -> None:
+        """Close every worker's pipe (each finishes its call, runs ``env.close()`` and exits);
+        kill those still there after a grace period."""
+        self.closing = True
         for w in self.workers:
-            w.kill()
+            w.conn.close()
+        for w in self.workers:
+            w.kill(grace_s=10.0)
         self.threads.shutdown(wait=False, cancel_futures=True)

@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -130,6 +131,7 @@ class Orchestrator:
                                          thread_name_prefix="score")
         # multi-turn envs run in worker processes and need the tokenizer to append env turns
         self.workers: EnvWorkers | None = None
+        self.closing = False
         self.tokenizer: Any = None
         if isinstance(env, MultiTurnEnv):
             self.workers = EnvWorkers(cfg.env.name, cfg.env, self.o.env_workers)
@@ -286,7 +288,8 @@ class Orchestrator:
             reward = await self.workers.call("score", task, state, timeout=turn_timeout)
         finally:
             try:
-                await self.workers.call("cleanup", task, state, timeout=turn_timeout)
+                if not self.closing:  # at shutdown the workers' env.close() releases everything
+                    await self.workers.call("cleanup", task, state, timeout=turn_timeout)
             except Exception as e:  # noqa: BLE001 - cleanup failing must not lose the episode
                 log(f"cleanup of task {task.id} failed: {e}")
         return {"tokens": ids, "loss_mask": mask, "logprobs": logprobs, "versions": versions, "reward": reward,
@@ -356,6 +359,9 @@ class Orchestrator:
         try:
             await self.write_batches()
         finally:
+            self.closing = True
+            if self.workers is not None:
+                self.workers.closing = True
             for job in [*jobs, *self.in_flight]:
                 job.cancel()
             await asyncio.gather(*jobs, *self.in_flight, return_exceptions=True)
@@ -400,6 +406,10 @@ def main(cfg: RunConfig) -> None:
         finally:
             await client.close()
 
+    def on_term(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds run(): env workers are closed, scratch state released
+
+    signal.signal(signal.SIGTERM, on_term)
     asyncio.run(go())
     log(f"wrote {cfg.max_steps} batches; done")
     sys.stdout.flush()

@@ -16,7 +16,10 @@ way: with ``--oracle`` the gold ``patch`` is applied first, without it nothing i
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,23 @@ class Swe(ToolEnv):
     def __init__(self, config: SweConfig | None = None) -> None:
         super().__init__(config)
         self._records: dict[str, dict[str, Any]] | None = None
+        self.root: Path | None = None  # this process's scratch checkouts
+
+    def _scratch_root(self) -> Path:
+        """``$TMP/primerl-swe/<pid>``; roots of processes that died (killed workers) are removed."""
+        if self.root is None:
+            base = Path(tempfile.gettempdir()) / "primerl-swe"
+            base.mkdir(exist_ok=True)
+            for old in base.iterdir():
+                if old.name.isdigit() and not Path(f"/proc/{old.name}").exists():
+                    shutil.rmtree(old, ignore_errors=True)
+            self.root = base / str(os.getpid())
+            self.root.mkdir(exist_ok=True)
+        return self.root
+
+    def close(self) -> None:
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     # -- tasks -----------------------------------------------------------------------------
 
@@ -114,7 +134,7 @@ class Swe(ToolEnv):
     def setup(self, task: Task) -> dict[str, Any]:
         rec = self._record(task)
         sandbox.resolve(self.config.sandbox)  # fail before the episode if there is no sandbox
-        work = repo.checkout(rec["repo"], rec["base_commit"])
+        work = repo.checkout(rec["repo"], rec["base_commit"], parent=self._scratch_root())
         return {"workdir": str(work), "submitted": False}
 
     def cleanup(self, task: Task, state: dict[str, Any]) -> None:

@@ -91,6 +91,8 @@ def _pids_cgroup(limit: int) -> Path | None:
 
 
 def _kill_cgroup(cg: Path) -> None:
+    if not cg.exists():
+        return
     for _ in range(100):  # processes may fork while we kill; pids.max bounds how many
         pids = [int(p) for p in (cg / "cgroup.procs").read_text().split()]
         if not pids:
@@ -101,10 +103,12 @@ def _kill_cgroup(cg: Path) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.01)
-    try:
-        cg.rmdir()
-    except OSError:
-        pass
+    for _ in range(50):  # killed processes leave the cgroup once reaped
+        try:
+            cg.rmdir()
+            return
+        except OSError:
+            time.sleep(0.02)
 
 
 def _limit(limits: Limits, cg: Path | None):

@@ -1,7 +1,7 @@
 """Wordle as a multi-turn environment.
 
 Each episode hides a 5-letter word from the shipped list. Every model turn is a guess
-(the first 5-letter word in the reply); the env answers with feedback per letter — ``G``
+(the last 5-letter word in the reply); the env answers with feedback per letter — ``G``
 right letter in the right place, ``Y`` in the word elsewhere, ``-`` not in the word
 (repeated letters counted as in the real game) — until the word is found or 6 guesses
 are spent. Reward: (7 - guesses) / 6 when solved (1 for a first-guess win, 1/6 for a
@@ -102,13 +102,13 @@ class Wordle(MultiTurnEnv):
         return {"guesses": [], "marks": [], "solved": False}
 
     def respond(self, task: Task, state: dict[str, Any], completion: str) -> Turn:
-        m = _WORD.search(completion)
-        if m is None:
+        words = _WORD.findall(completion)  # "my guess is crane": the last 5-letter word is the guess
+        if not words:
             state["guesses"].append("")
             state["marks"].append("")
             msg = "That is not a 5-letter word. Guess again."
         else:
-            guess = m.group(1).lower()
+            guess = words[-1].lower()
             marks = feedback(guess, task.answer)
             state["guesses"].append(guess)
             state["marks"].append(marks)
