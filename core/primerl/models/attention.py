@@ -11,6 +11,8 @@ Names and shapes are HF's ``Qwen3MoeAttention`` / ``NemotronHAttention``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -23,7 +25,7 @@ def gqa_cache_layout(kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]
 
 
 class GQAttention(nn.Module):
-    """``forward(x, batch) -> out``. RoPE angles come from ``batch.extra["cos"/"sin"]``
+    """``forward(x, batch, carry) -> (out, carry)`` (the carry passes through). RoPE angles come from ``batch.extra["cos"/"sin"]``
     ([B, S, head_dim/2]) when ``rope`` is True."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, layer_idx: int, *,
@@ -42,8 +44,8 @@ class GQAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.scaling = head_dim**-0.5
 
-    def forward(self, x: Tensor, batch: Batch) -> Tensor:
-        """x: [B, S, hidden]. Returns [B, S, hidden]."""
+    def forward(self, x: Tensor, batch: Batch, carry: Any = None) -> tuple[Tensor, Any]:
+        """x: [B, S, hidden]. Returns ([B, S, hidden], carry)."""
         B, S, _ = x.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         q = self.q_proj(x).view(B, S, H, D)
@@ -63,4 +65,4 @@ class GQAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=batch.visible[:, None], scale=self.scaling
         )  # [B, H, S, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, H * D))
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, H * D)), carry

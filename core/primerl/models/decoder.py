@@ -160,6 +160,38 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
 
 
 # ---------------------------------------------------------------------------------------
+# The pre-norm decoder layer
+# ---------------------------------------------------------------------------------------
+
+
+class PreNormLayer(nn.Module):
+    """``h = x + self_attn(norm(x)); y = h + mlp(norm(h))``: the layer of Llama-style
+    models (DeepSeek-V3, Kimi K2, GLM-5, Qwen3-MoE), with HF's parameter names.
+
+    ``self_attn(x, batch, carry) -> (out, carry)``; ``mlp`` is a dense MLP (``mlp(h)``) or,
+    when ``is_moe``, an MoE block (``mlp(h [N, hidden], valid, replay) -> (out, routing)``).
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, *, is_moe: bool, hidden: int, eps: float) -> None:
+        super().__init__()
+        from primerl.models.layers import RMSNorm
+
+        self.self_attn, self.mlp, self.is_moe = self_attn, mlp, is_moe
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x: Tensor, batch: Batch, valid: Tensor, carry: Any, replay: Tensor | None):
+        """x: [B, S, hidden]; valid: [B*S]. Returns (x, carry, routing or None)."""
+        attn, carry = self.self_attn(self.input_layernorm(x), batch, carry)
+        x = x + attn
+        h = self.post_attention_layernorm(x)
+        if not self.is_moe:
+            return x + self.mlp(h), carry, None
+        y, routing = self.mlp(h.flatten(0, 1), valid, replay)
+        return x + y.view_as(x), carry, routing
+
+
+# ---------------------------------------------------------------------------------------
 # The causal LM base
 # ---------------------------------------------------------------------------------------
 

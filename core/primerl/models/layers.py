@@ -329,6 +329,31 @@ class Experts(nn.Module):
 DENSE_EXPERTS_MAX_RATIO = 8
 
 
+class DeepSeekMoE(nn.Module):
+    """DeepSeek-V3's MoE block (also GLM-5's and Kimi K2's): SwiGLU routed experts chosen by
+    a sigmoid router, plus ``n_shared_experts`` always-on experts as one wide MLP.
+
+    ``config`` needs hidden_size, n_routed_experts, num_experts_per_tok,
+    moe_intermediate_size, n_shared_experts, n_group, topk_group, norm_topk_prob and
+    routed_scaling_factor (HF's names).
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        c = config
+        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
+        self.gate = SigmoidRouter(
+            c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, n_group=c.n_group,
+            topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor,
+        )
+        self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
+
+    def forward(self, x: Tensor, valid: Tensor, replay: Tensor | None) -> tuple[Tensor, Routing]:
+        """x: [N, hidden]; valid: [N] bool; replay: [N, top_k] or None."""
+        routing = self.gate(x, valid, replay)
+        return self.experts(x, routing.ids, routing.weights, valid) + self.shared_experts(x), routing
+
+
 # Kept in float32 whatever the model dtype (HF's _keep_in_fp32_modules_strict for the
 # sigmoid routers): routing is decided in float32, and a bf16 router weight would flip
 # near-tied expert choices.

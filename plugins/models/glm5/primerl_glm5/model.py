@@ -45,14 +45,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from primerl.models.decoder import Batch, DecoderLM
+from primerl.models.decoder import Batch, DecoderLM, PreNormLayer
 from primerl.models.layers import (
     FP32_SUFFIXES,
     MLP,
-    Experts,
+    DeepSeekMoE,
     RMSNorm,
-    Routing,
-    SigmoidRouter,
     cast_,
     init_normal_,
     rope_angles,
@@ -232,52 +230,20 @@ class Attention(MLAttention):
         return carry, carry
 
 
-class MoE(nn.Module):
-    def __init__(self, config: Glm5Config) -> None:
-        super().__init__()
-        c = config
-        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
-        self.gate = SigmoidRouter(
-            c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, n_group=c.n_group,
-            topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor,
-        )
-        self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
-
-    def forward(self, x: Tensor, valid: Tensor, replay: Tensor | None) -> tuple[Tensor, Routing]:
-        """x: [N, hidden]; valid: [N] bool; replay: [N, top_k] or None."""
-        routing = self.gate(x, valid, replay)
-        return self.experts(x, routing.ids, routing.weights, valid) + self.shared_experts(x), routing
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: Glm5Config, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.is_moe = config.mlp_layer_types[layer_idx] == "sparse"
-        self.mlp = MoE(config) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, x: Tensor, batch: Batch, valid: Tensor, carry: Tensor | None, replay: Tensor | None
-    ) -> tuple[Tensor, Tensor, Routing | None]:
-        """x: [B, S, hidden]; valid: [B*S]. Returns (x, DSA mask, routing or None)."""
-        attn, carry = self.self_attn(self.input_layernorm(x), batch, carry)
-        x = x + attn
-        h = self.post_attention_layernorm(x)
-        if not self.is_moe:
-            return x + self.mlp(h), carry, None
-        y, routing = self.mlp(h.flatten(0, 1), valid, replay)
-        return x + y.view_as(x), carry, routing
-
-
 class Glm5Model(nn.Module):
     """The decoder stack (HF's ``model.`` prefix)."""
 
     def __init__(self, config: Glm5Config) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            PreNormLayer(
+                Attention(config, i),
+                DeepSeekMoE(config) if is_moe else MLP(config.hidden_size, config.intermediate_size),
+                is_moe=is_moe, hidden=config.hidden_size, eps=config.rms_norm_eps,
+            )
+            for i, is_moe in enumerate(kind == "sparse" for kind in config.mlp_layer_types)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -28,16 +28,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-
-from primerl.models.decoder import Batch, DecoderLM
+from primerl.models.decoder import Batch, DecoderLM, PreNormLayer
 from primerl.models.layers import (
     FP32_SUFFIXES,
     MLP,
-    Experts,
+    DeepSeekMoE,
     RMSNorm,
-    Routing,
-    SigmoidRouter,
     _yarn_mscale,
     cast_,
     init_normal_,
@@ -46,6 +42,8 @@ from primerl.models.layers import (
     rope_parameters,
 )
 from primerl.models.mla import MLAttention, mla_cache_layout
+from torch import nn
+
 from primerl_kimi.presets import moe_layer_flags
 
 
@@ -114,53 +112,21 @@ class KimiConfig:
         return hf
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: KimiConfig, layer_idx: int, scaling: float) -> None:
-        super().__init__()
-        c = config
-        self.self_attn = MLAttention(c, layer_idx, scaling=scaling, interleave=c.rope_interleave)
-        self.is_moe = layer_idx in c.moe_layers
-        self.mlp = MoE(c) if self.is_moe else MLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(
-        self, x: Tensor, batch: Batch, valid: Tensor, carry: Any, replay: Tensor | None
-    ) -> tuple[Tensor, Any, Routing | None]:
-        """x: [B, S, hidden]; valid: [B*S]. Returns (x, carry, routing or None)."""
-        attn, carry = self.self_attn(self.input_layernorm(x), batch, carry)
-        x = x + attn
-        h = self.post_attention_layernorm(x)
-        if not self.is_moe:
-            return x + self.mlp(h), carry, None
-        y, routing = self.mlp(h.flatten(0, 1), valid, replay)
-        return x + y.view_as(x), carry, routing
-
-
-class MoE(nn.Module):
-    def __init__(self, config: KimiConfig) -> None:
-        super().__init__()
-        c = config
-        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size)
-        self.gate = SigmoidRouter(
-            c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, n_group=c.n_group,
-            topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor,
-        )
-        self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
-
-    def forward(self, x: Tensor, valid: Tensor, replay: Tensor | None) -> tuple[Tensor, Routing]:
-        """x: [N, hidden]; valid: [N] bool; replay: [N, top_k] or None."""
-        routing = self.gate(x, valid, replay)
-        return self.experts(x, routing.ids, routing.weights, valid) + self.shared_experts(x), routing
-
-
 class KimiModel(nn.Module):
     """The decoder stack (HF's ``model.`` prefix)."""
 
     def __init__(self, config: KimiConfig, scaling: float) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, scaling) for i in range(config.num_hidden_layers))
+        c = config
+        self.layers = nn.ModuleList(
+            PreNormLayer(
+                MLAttention(c, i, scaling=scaling, interleave=c.rope_interleave),
+                DeepSeekMoE(c) if i in c.moe_layers else MLP(c.hidden_size, c.intermediate_size),
+                is_moe=i in c.moe_layers, hidden=c.hidden_size, eps=c.rms_norm_eps,
+            )
+            for i in range(c.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

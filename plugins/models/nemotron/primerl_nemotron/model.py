@@ -23,8 +23,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-
 from primerl.models.attention import GQAttention, gqa_cache_layout
 from primerl.models.decoder import Batch, DecoderLM
 from primerl.models.layers import (
@@ -38,6 +36,8 @@ from primerl.models.layers import (
     init_normal_,
 )
 from primerl.models.mamba2 import Mamba2Mixer, mamba2_state_layout
+from torch import Tensor, nn
+
 from primerl_nemotron.presets import layer_kinds
 
 
@@ -157,8 +157,10 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, batch: Batch, valid: Tensor, carry: Any, replay: Tensor | None):
         h = self.norm(x)
-        if self.kind in ("linear_attention", "full_attention"):
+        if self.kind == "linear_attention":
             return x + self.mixer(h, batch), carry, None
+        if self.kind == "full_attention":
+            return x + self.mixer(h, batch)[0], carry, None
         if self.is_moe:
             y, routing = self.mixer(h.flatten(0, 1), valid, replay)
             return x + y.view_as(x), carry, routing

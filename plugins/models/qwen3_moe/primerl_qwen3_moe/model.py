@@ -18,10 +18,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-
 from primerl.models.attention import GQAttention, gqa_cache_layout
-from primerl.models.decoder import Batch, DecoderLM
+from primerl.models.decoder import Batch, DecoderLM, PreNormLayer
 from primerl.models.layers import (
     MLP,
     Experts,
@@ -34,6 +32,8 @@ from primerl.models.layers import (
     rope_inv_freq,
     rope_parameters,
 )
+from torch import Tensor, nn
+
 from primerl_qwen3_moe.presets import moe_layer_flags, num_experts
 
 
@@ -104,30 +104,19 @@ class MoE(nn.Module):
         return self.experts(x, routing.ids, routing.weights, valid), routing
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, c: Qwen3MoeConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = GQAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                     layer_idx, qk_norm_eps=c.rms_norm_eps, bias=c.attention_bias)
-        self.is_moe = c.moe_flags[layer_idx]
-        self.mlp = MoE(c) if self.is_moe else MLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, x: Tensor, batch: Batch, valid: Tensor, carry: Any, replay: Tensor | None):
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        h = self.post_attention_layernorm(x)
-        if not self.is_moe:
-            return x + self.mlp(h), carry, None
-        y, routing = self.mlp(h.flatten(0, 1), valid, replay)
-        return x + y.view_as(x), carry, routing
-
-
 class Qwen3MoeModel(nn.Module):
     def __init__(self, c: Qwen3MoeConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            PreNormLayer(
+                GQAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, i,
+                            qk_norm_eps=c.rms_norm_eps, bias=c.attention_bias),
+                MoE(c) if c.moe_flags[i] else MLP(c.hidden_size, c.intermediate_size),
+                is_moe=c.moe_flags[i], hidden=c.hidden_size, eps=c.rms_norm_eps,
+            )
+            for i in range(c.num_hidden_layers)
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
