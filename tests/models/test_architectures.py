@@ -139,6 +139,18 @@ def test_router_replay_reproduces_routing_and_keeps_router_gradients(arch):
     assert routers and all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers)
 
 
+def test_parallel_plan_describes_layers_units_and_moe_modules(arch):
+    name, adapter, model = arch
+    plan = model.parallel_plan()
+    n = len(model.model.layers)
+    assert len(plan["fsdp_units"]) == n + 2 and plan["fsdp_units"][0] == "model.layers.0"
+    assert [i for i, layer in enumerate(plan["layers"]) if layer["moe"]] == model.moe_layers
+    assert len(plan["routers"]) == len(plan["experts"]) == len(model.moe_layers)
+    mixers = {layer["mixer"] for layer in plan["layers"]}
+    want = {"glm5": {"mla_dsa"}, "kimi": {"mla"}, "qwen3-moe": {"gqa"}, "nemotron": {"mamba2", "gqa", None}}[name]
+    assert mixers == want
+
+
 def test_checkpoint_round_trip_is_bit_exact_and_matches_transformers_names(arch, tmp_path):
     name, adapter, model = arch
     adapter.save_checkpoint(model, tmp_path / "ours", max_shard_bytes=400_000)

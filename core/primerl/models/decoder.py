@@ -239,6 +239,40 @@ class DecoderLM(nn.Module):
     def device(self) -> torch.device:
         return self.input_embeddings().weight.device
 
+    def parallel_plan(self) -> dict[str, Any]:
+        """What parallelism plugins need to know, read off the modules (no model-specific code):
+
+        * ``fsdp_units``: the modules to shard as one FSDP unit each (every decoder layer,
+          then the embeddings and the head);
+        * ``layers``: per layer, its sequence mixer (``mla``, ``mla_dsa``, ``gqa``, ``mamba2``
+          or None) — what context parallelism must split — and whether it is an MoE layer;
+        * ``routers`` and ``experts``: the module names expert parallelism and router replay
+          act on, in MoE-layer order.
+        """
+        from primerl.models.attention import GQAttention
+        from primerl.models.layers import Experts, SigmoidRouter, SoftmaxRouter
+        from primerl.models.mamba2 import Mamba2Mixer
+        from primerl.models.mla import MLAttention
+
+        def mixer(layer: nn.Module) -> str | None:
+            for m in layer.modules():
+                if isinstance(m, MLAttention):
+                    return "mla_dsa" if type(m).select is not MLAttention.select else "mla"
+                if isinstance(m, GQAttention):
+                    return "gqa"
+                if isinstance(m, Mamba2Mixer):
+                    return "mamba2"
+            return None
+
+        names = {m: n for n, m in self.named_modules()}
+        layers = list(self.model.layers)
+        return {
+            "fsdp_units": [names[layer] for layer in layers] + [names[self.input_embeddings()], "lm_head"],
+            "layers": [{"mixer": mixer(layer), "moe": bool(getattr(layer, "is_moe", False))} for layer in layers],
+            "routers": [n for n, m in self.named_modules() if isinstance(m, (SigmoidRouter, SoftmaxRouter))],
+            "experts": [n for n, m in self.named_modules() if isinstance(m, Experts)],
+        }
+
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> SlotCache:
         """An empty cache of ``num_slots`` sequences of up to ``max_len`` tokens each."""
         return SlotCache(self.cache_layout(), num_slots, max_len, dtype=dtype or self.dtype, device=self.device)
