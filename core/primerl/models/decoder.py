@@ -217,7 +217,12 @@ class DecoderLM(nn.Module):
         raise NotImplementedError
 
     def prepare(self, batch: Batch, dtype: torch.dtype) -> None:
-        """Add per-batch tensors every layer shares (RoPE angles) to ``batch.extra``."""
+        """Add per-batch tensors every layer shares to ``batch.extra``: RoPE angles
+        (``cos``, ``sin`` [B, S, rope/2]) for models that set ``inv_freq`` and ``rope_factor``."""
+        if getattr(self, "inv_freq", None) is not None:
+            from primerl.models.layers import rope_angles
+
+            batch.extra["cos"], batch.extra["sin"] = rope_angles(batch.positions, self.inv_freq, self.rope_factor, dtype)
 
     def input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -226,6 +231,22 @@ class DecoderLM(nn.Module):
         return self.model.norm
 
     # -- weights ---------------------------------------------------------------------
+
+    # parameter/buffer name suffixes kept in float32 whatever the model dtype (routers)
+    keep_fp32: tuple[str, ...] = ()
+
+    def init_weights(self, seed: int) -> None:
+        """HF's init, reproducible from ``seed`` (see :func:`primerl.models.layers.init_normal_`)."""
+        from primerl.models.layers import init_normal_
+
+        skip = (self.lm_head,) if self.config.tie_word_embeddings else ()
+        init_normal_(self, seed, self.config.initializer_range, skip=skip)
+
+    def cast_(self, dtype: torch.dtype) -> DecoderLM:
+        """Cast floating tensors to ``dtype`` in place, keeping ``keep_fp32`` in float32."""
+        from primerl.models.layers import cast_
+
+        return cast_(self, dtype, self.keep_fp32)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -52,8 +52,6 @@ from primerl.models.layers import (
     DeepSeekMoE,
     RMSNorm,
     cast_,
-    init_normal_,
-    rope_angles,
     rope_interleaved,
     rope_inv_freq,
     rope_parameters,
@@ -251,6 +249,7 @@ class Glm5ForCausalLM(DecoderLM):
     """GLM-5 with primerl's ragged forward (see :class:`primerl.models.decoder.DecoderLM`)."""
 
     Config = Glm5Config
+    keep_fp32 = FP32_SUFFIXES
 
     def __init__(self, config: Glm5Config) -> None:
         super().__init__()
@@ -263,15 +262,10 @@ class Glm5ForCausalLM(DecoderLM):
         )
         self.tie_weights()
 
-    def init_weights(self, seed: int) -> None:
-        """HF's init, reproducible from ``seed`` (see :func:`primerl.models.layers.init_normal_`)."""
-        skip = (self.lm_head,) if self.config.tie_word_embeddings else ()
-        init_normal_(self, seed, self.config.initializer_range, skip=skip)
-
     def cast_(self, dtype: torch.dtype) -> Glm5ForCausalLM:
         """Cast to ``dtype`` keeping the router in float32 (as HF does for bf16/fp16) and,
         for fp16, the indexer's head weights too."""
-        keep = FP32_SUFFIXES + (("indexer.weights_proj.weight",) if dtype == torch.float16 else ())
+        keep = self.keep_fp32 + (("indexer.weights_proj.weight",) if dtype == torch.float16 else ())
         return cast_(self, dtype, keep)
 
     def cache_layout(self) -> list[dict[str, dict]]:
@@ -284,6 +278,3 @@ class Glm5ForCausalLM(DecoderLM):
                 per_token["index_k"] = (c.index_head_dim,)
             layout.append({"per_token": per_token})
         return layout
-
-    def prepare(self, batch: Batch, dtype: torch.dtype) -> None:
-        batch.extra["cos"], batch.extra["sin"] = rope_angles(batch.positions, self.inv_freq, self.rope_factor, dtype)

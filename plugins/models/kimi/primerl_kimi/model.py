@@ -28,16 +28,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from primerl.models.decoder import Batch, DecoderLM, PreNormLayer
+from primerl.models.decoder import DecoderLM, PreNormLayer
 from primerl.models.layers import (
     FP32_SUFFIXES,
     MLP,
     DeepSeekMoE,
     RMSNorm,
     _yarn_mscale,
-    cast_,
-    init_normal_,
-    rope_angles,
     rope_inv_freq,
     rope_parameters,
 )
@@ -134,6 +131,7 @@ class KimiForCausalLM(DecoderLM):
     """Kimi K2 with primerl's ragged forward (see :class:`primerl.models.decoder.DecoderLM`)."""
 
     Config = KimiConfig
+    keep_fp32 = FP32_SUFFIXES  # routers stay float32, as in HF
 
     def __init__(self, config: KimiConfig) -> None:
         super().__init__()
@@ -148,16 +146,5 @@ class KimiForCausalLM(DecoderLM):
         self.moe_layers = config.moe_layers
         self.tie_weights()
 
-    def init_weights(self, seed: int) -> None:
-        skip = (self.lm_head,) if self.config.tie_word_embeddings else ()
-        init_normal_(self, seed, self.config.initializer_range, skip=skip)
-
-    def cast_(self, dtype: torch.dtype) -> KimiForCausalLM:
-        """Cast to ``dtype`` keeping the router in float32, as HF does."""
-        return cast_(self, dtype, FP32_SUFFIXES)
-
     def cache_layout(self) -> list[dict[str, dict]]:
         return [{"per_token": mla_cache_layout(self.config)} for _ in range(self.config.num_hidden_layers)]
-
-    def prepare(self, batch: Batch, dtype: torch.dtype) -> None:
-        batch.extra["cos"], batch.extra["sin"] = rope_angles(batch.positions, self.inv_freq, self.rope_factor, dtype)

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
 from primerl.models.attention import GQAttention, gqa_cache_layout
 from primerl.models.decoder import Batch, DecoderLM
 from primerl.models.layers import (
@@ -32,8 +31,6 @@ from primerl.models.layers import (
     RMSNorm,
     Routing,
     SigmoidRouter,
-    cast_,
-    init_normal_,
 )
 from primerl.models.mamba2 import Mamba2Mixer, mamba2_state_layout
 from torch import Tensor, nn
@@ -177,6 +174,9 @@ class NemotronModel(nn.Module):
 
 class NemotronForCausalLM(DecoderLM):
     Config = NemotronConfig
+    # routers stay float32 as in HF, and so do Mamba's per-head A_log, D and dt_bias (they set
+    # each step's decay, where bf16 rounding compounds over the sequence)
+    keep_fp32 = FP32_SUFFIXES + ("mixer.A_log", "mixer.D", "mixer.dt_bias")
 
     def __init__(self, config: NemotronConfig) -> None:
         super().__init__()
@@ -191,14 +191,6 @@ class NemotronForCausalLM(DecoderLM):
 
     def final_norm(self) -> nn.Module:
         return self.model.norm_f
-
-    def init_weights(self, seed: int) -> None:
-        skip = (self.lm_head,) if self.config.tie_word_embeddings else ()
-        init_normal_(self, seed, self.config.initializer_range, skip=skip)
-
-    def cast_(self, dtype: torch.dtype) -> NemotronForCausalLM:
-        """Cast to ``dtype`` keeping the router (and Mamba's A_log, D, dt_bias) in float32."""
-        return cast_(self, dtype, FP32_SUFFIXES + ("mixer.A_log", "mixer.D", "mixer.dt_bias"))
 
     def cache_layout(self) -> list[dict[str, dict]]:
         c = self.config

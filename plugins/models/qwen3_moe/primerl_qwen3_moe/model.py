@@ -17,18 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
 from primerl.models.attention import GQAttention, gqa_cache_layout
-from primerl.models.decoder import Batch, DecoderLM, PreNormLayer
+from primerl.models.decoder import DecoderLM, PreNormLayer
 from primerl.models.layers import (
     MLP,
     Experts,
     RMSNorm,
     Routing,
     SoftmaxRouter,
-    cast_,
-    init_normal_,
-    rope_angles,
     rope_inv_freq,
     rope_parameters,
 )
@@ -133,17 +129,6 @@ class Qwen3MoeForCausalLM(DecoderLM):
         self.moe_layers = config.moe_layers
         self.tie_weights()
 
-    def init_weights(self, seed: int) -> None:
-        skip = (self.lm_head,) if self.config.tie_word_embeddings else ()
-        init_normal_(self, seed, self.config.initializer_range, skip=skip)
-
-    def cast_(self, dtype: torch.dtype) -> Qwen3MoeForCausalLM:
-        """Everything in ``dtype``: Qwen3-MoE's router runs in the model dtype, as in HF."""
-        return cast_(self, dtype)
-
     def cache_layout(self) -> list[dict[str, dict]]:
         c = self.config
         return [{"per_token": gqa_cache_layout(c.num_key_value_heads, c.head_dim)} for _ in range(c.num_hidden_layers)]
-
-    def prepare(self, batch: Batch, dtype: torch.dtype) -> None:
-        batch.extra["cos"], batch.extra["sin"] = rope_angles(batch.positions, self.inv_freq, self.rope_factor, dtype)
