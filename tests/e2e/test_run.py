@@ -160,3 +160,22 @@ def test_swe_run_completes(tmp_path):
 
     leftovers = list(Path(tempfile.gettempdir(), "primerl-swe").glob("*/primerl-swe-*"))
     assert leftovers == []  # every scratch checkout was removed
+
+
+def test_multi_turn_with_router_replay_ends_each_trajectory_on_a_model_turn(tmp_path):
+    """alphabet-sort has 3 turns; with max_turns 2 the env still answers the second model
+    turn, and that trailing env turn must not reach the trainer (R3 needs experts for every
+    token it trains on)."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "alphabet-sort",
+                        "--max-steps", "1", "--output-dir", str(out), "--env.max_turns", "2",
+                        "--trainer.router_replay", "--orchestrator.max_tokens", "24"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import torch
+
+    batch = torch.load(out / "rollouts" / "step_000001.pt", weights_only=False)
+    for s in batch["samples"]:
+        assert s["loss_mask"][-1] == 1 and s["turns"] == 2
+        assert s["routed_experts"].shape[0] == len(s["tokens"]) - 1
+    assert "not replaying" not in (out / "logs" / "trainer.log").read_text()

@@ -257,7 +257,7 @@ class Orchestrator:
             messages = task.messages(env.system())
             ids = prompt_ids(tok, messages)
             mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
-            routed = None
+            routed, end = None, len(ids)
             for _ in range(max_turns):
                 budget = min(o.max_tokens, max_len - len(ids) - 1)
                 if budget <= 0:
@@ -273,6 +273,7 @@ class Orchestrator:
                 logprobs += choice["logprobs"]["token_logprobs"]
                 versions += choice["policy_versions"]
                 routed = choice.get("routed_experts") or routed
+                end = len(ids)  # the trajectory ends with a model turn: later env tokens teach nothing
                 text = tok.decode(out, skip_special_tokens=True)
                 turn = await self.workers.call("step", task, state, text, timeout=turn_timeout)
                 state = turn.state
@@ -292,6 +293,7 @@ class Orchestrator:
                     await self.workers.call("cleanup", task, state, timeout=turn_timeout)
             except Exception as e:  # noqa: BLE001 - cleanup failing must not lose the episode
                 log(f"cleanup of task {task.id} failed: {e}")
+        ids, mask, logprobs, versions = ids[:end], mask[:end], logprobs[:end], versions[:end]
         return {"tokens": ids, "loss_mask": mask, "logprobs": logprobs, "versions": versions, "reward": reward,
                 "temperature": o.temperature, "routed_experts": _decode_routed(routed), "task_id": task.id,
                 "turns": sum(1 for m in messages if m["role"] == "assistant")}

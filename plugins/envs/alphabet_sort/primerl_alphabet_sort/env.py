@@ -1,7 +1,8 @@
 """Alphabet sort: keep a growing list of names sorted, over several turns.
 
 Turn 1 gives a few names; every later turn adds more and asks for the whole list again,
-sorted. The model answers with the names separated by commas. Each turn scores the
+sorted (``--env.turns`` turns, 3 by default; ``--env.max_turns`` can cut episodes
+shorter). The model answers with the names separated by commas. Each turn scores the
 similarity of its list to the right one (difflib's ratio over the sequences of names, 1
 for an exact answer); the reward is the mean over all turns, and a turn never answered
 counts 0. This needs the model to carry the conversation: later answers must contain the
@@ -35,7 +36,7 @@ def similarity(answer: list[str], truth: list[str]) -> float:
 
 @attrs.define(kw_only=True)
 class AlphabetSortConfig(MultiTurnConfig):
-    max_turns: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    turns: int = attrs.field(default=3, validator=attrs.validators.in_(range(1, 11)))  # the game's length
     names_per_turn: int = attrs.field(default=3, validator=attrs.validators.in_(range(1, 11)))
     num_train: int = attrs.field(default=5000, validator=attrs.validators.ge(1))
     num_eval: int = attrs.field(default=100, validator=attrs.validators.ge(1))
@@ -56,7 +57,7 @@ class AlphabetSort(MultiTurnEnv):
             raise ValueError(f"alphabet-sort has splits 'train' and 'eval', not {split!r}")
         rng = random.Random(f"{self.config.seed}-{split}")
         count = self.config.num_train if split == "train" else self.config.num_eval
-        k, turns = self.config.names_per_turn, self.config.max_turns
+        k, turns = self.config.names_per_turn, self.config.turns
         for i in range(count):
             names = rng.sample(NAMES, k * turns)
             batches = [names[t * k:(t + 1) * k] for t in range(turns)]
