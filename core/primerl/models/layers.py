@@ -95,7 +95,7 @@ def rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -119,9 +119,9 @@ def rope_inv_freq(dim: int, rope: Mapping[str, Any], max_position_embeddings: in
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
     if attention_factor is None:
         if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:

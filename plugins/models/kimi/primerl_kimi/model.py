@@ -34,7 +34,7 @@ from primerl.models.layers import (
     MLP,
     DeepSeekMoE,
     RMSNorm,
-    _yarn_mscale,
+    yarn_mscale,
     rope_inv_freq,
     rope_parameters,
 )
@@ -140,7 +140,7 @@ class KimiForCausalLM(DecoderLM):
         self.inv_freq, self.rope_factor = rope_inv_freq(config.qk_rope_head_dim, rope, config.max_position_embeddings)
         scaling = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
-            scaling *= _yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2  # HF's yarn_apply_mscale
+            scaling *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2  # HF's yarn_apply_mscale
         self.model = KimiModel(config, scaling)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.moe_layers = config.moe_layers
