@@ -130,6 +130,8 @@ class Orchestrator:
         self.scorer = ThreadPoolExecutor(max_workers=max(self.o.max_concurrent, self.o.group_size),
                                          thread_name_prefix="score")
         # multi-turn envs run in worker processes and need the tokenizer to append env turns
+        # the engine's routed experts travel with each sample for R3 and the routing metrics
+        self.want_routed = cfg.trainer.router_replay or cfg.trainer.routing_metrics
         self.workers: EnvWorkers | None = None
         self.closing = False
         self.tokenizer: Any = None
@@ -209,7 +211,7 @@ class Orchestrator:
             "model": self.cfg.model.name,
             "messages": group.task.messages(self.env.system_prompt),
             "n": o.group_size, "max_tokens": o.max_tokens, "temperature": o.temperature, "top_p": o.top_p,
-            "logprobs": True, "return_routed_experts": self.cfg.trainer.router_replay or self.cfg.trainer.routing_metrics,
+            "logprobs": True, "return_routed_experts": self.want_routed,
         }
         resp = await self.client.chat(body)
         prompt_ids = resp["prompt_token_ids"]
@@ -265,7 +267,7 @@ class Orchestrator:
                 resp = await self.client.completions({
                     "model": self.cfg.model.name, "prompt": ids, "max_tokens": budget,
                     "temperature": o.temperature, "top_p": o.top_p, "logprobs": 0,
-                    "return_routed_experts": self.cfg.trainer.router_replay or self.cfg.trainer.routing_metrics,
+                    "return_routed_experts": self.want_routed,
                 })
                 choice = resp["choices"][0]
                 out = choice["token_ids"]

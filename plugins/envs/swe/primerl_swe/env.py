@@ -148,16 +148,15 @@ class Swe(ToolEnv):
         """SWE-bench's rule: reset the test files, apply test_patch, run FAIL_TO_PASS + PASS_TO_PASS."""
         touched = re.findall(r"^diff --git a/(\S+) b/", rec["test_patch"], re.M)
         for f in touched:
-            existed = repo.git(["-c", "safe.directory=*", "ls-tree", "--name-only", rec["base_commit"], "--", f], work).strip()
+            existed = repo.git(["ls-tree", "--name-only", rec["base_commit"], "--", f], work).strip()
             if existed:
-                repo.git(["-c", "safe.directory=*", "checkout", rec["base_commit"], "--", f], work)
+                repo.git(["checkout", rec["base_commit"], "--", f], work)
             else:
                 (work / f).unlink(missing_ok=True)
         try:
             repo.apply_patch(work, rec["test_patch"])
         except repo.RepoError:
             return 0.0
-        sandbox.make_writable(work)
         tests = [*rec["FAIL_TO_PASS"], *rec["PASS_TO_PASS"]]
         limits = sandbox.Limits(wall_s=self.config.test_timeout_s, cpu_s=int(self.config.test_timeout_s),
                                 memory_mb=self.config.memory_mb)
@@ -205,7 +204,6 @@ class Swe(ToolEnv):
             raise PermissionError(f"{path} is a symlink")
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(content)
-        sandbox.make_writable(p.parent)
         return f"wrote {len(content)} characters to {path}"
 
     def replace(self, state: dict[str, Any], path: str, old: str, new: str) -> str:

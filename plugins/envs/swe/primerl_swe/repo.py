@@ -28,27 +28,26 @@ def git(args: list[str], cwd: Path, stdin: str | None = None) -> str:
 
 def checkout(repo: str | Path, commit: str, parent: Path | None = None) -> Path:
     """A fresh scratch copy of ``repo`` at ``commit`` (no shared objects: the agent cannot
-    touch the original), writable by the sandbox user."""
+    touch the original)."""
     repo = Path(repo)
     if not (repo / ".git").exists() and not (repo / "HEAD").exists():
         raise RepoError(f"{repo} is not a git repository")
     work = Path(tempfile.mkdtemp(prefix="primerl-swe-", dir=parent))
     git(["clone", "--quiet", "--no-hardlinks", "--no-checkout", str(repo.resolve()), str(work)], cwd=work.parent)
     git(["-c", "advice.detachedHead=false", "checkout", "--quiet", commit], cwd=work)
-    sandbox.make_writable(work)
     return work
 
 
 def apply_patch(work: Path, patch: str) -> None:
     if not patch.strip():
         return
-    git(["-c", "safe.directory=*", "apply", "--whitespace=nowarn", "-"], cwd=work, stdin=patch)
+    git(["apply", "--whitespace=nowarn", "-"], cwd=work, stdin=patch)
 
 
 def diff(work: Path) -> str:
     """The agent's changes so far (tracked and new files), as a patch."""
-    git(["-c", "safe.directory=*", "add", "-A"], cwd=work)
-    return git(["-c", "safe.directory=*", "diff", "--cached"], cwd=work)
+    git(["add", "-A"], cwd=work)
+    return git(["diff", "--cached"], cwd=work)
 
 
 def remove(work: Path) -> None:

@@ -127,10 +127,6 @@ def _limit(limits: Limits, cg: Path | None):
     return apply
 
 
-def make_writable(path: Path) -> None:
-    """Kept for callers: the sandbox writes as the calling user, nothing to change."""
-
-
 def run(command: str, workdir: Path, *, kind: str = "auto", limits: Limits = Limits()) -> Result:
     """Run ``command`` (a shell string) in ``workdir`` inside the sandbox."""
     kind = resolve(kind)
