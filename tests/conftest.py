@@ -70,3 +70,48 @@ def venv(tmp_path_factory):
     return py
 
 
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InferenceServer:
+    """``primerl inference ARGS...`` as a real process on a free port; a context manager."""
+
+    def __init__(self, *args: str, ready_s: float = 120) -> None:
+        self.args, self.ready_s = args, ready_s
+        self.url = ""
+
+    def __enter__(self) -> "InferenceServer":
+        import time
+
+        import httpx
+
+        port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "primerl.cli", "inference", *self.args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + self.ready_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"server not ready after {self.ready_s}s")
+            time.sleep(0.3)
+
+    def __exit__(self, *_exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)

@@ -244,7 +244,7 @@ def structure(cls: type, data: Any, path: str, sources: Mapping[str, str]) -> An
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
-        bad = _which_field(exc, kwargs)
+        bad = _which_field(exc, kwargs, fields)
         full = f"{path}.{bad}" if path and bad else (bad or where)
         reason = str(exc.args[0]) if exc.args else str(exc)
         if bad and reason.startswith(f"{bad}:"):
@@ -259,14 +259,15 @@ def _first_source_under(sources: Mapping[str, str], prefix: str) -> str | None:
     return None
 
 
-def _which_field(exc: Exception, kwargs: Mapping[str, Any]) -> str | None:
+def _which_field(exc: Exception, kwargs: Mapping[str, Any], fields: Mapping[str, Any] = {}) -> str | None:
     """The field a validator rejected: attrs' own validators pass the Attribute in the
-    exception's args; ours start their message with "name:"."""
+    exception's args; ours start their message with "name:" (a default that must be set
+    names a field missing from kwargs)."""
     for arg in getattr(exc, "args", ()):
         if isinstance(arg, attrs.Attribute):
             return arg.name
     text = str(exc.args[0]) if exc.args else ""
-    for key in kwargs:
+    for key in [*kwargs, *fields]:
         if text.startswith(f"{key}:"):
             return key
     return next(iter(kwargs), None) if len(kwargs) == 1 else None

@@ -23,7 +23,10 @@ extra rows are never produced by the tokenizer.
 
 The chat template follows GLM: ``[gMASK]<sop>``, then per message ``<|role|>\\n`` and the
 content, then ``<|assistant|>\\n`` when a generation prompt is asked for. The ``tool``
-role is written as GLM's ``<|observation|>``.
+role is written as GLM's ``<|observation|>``. Given ``tools`` (OpenAI function specs), a
+``<|system|>`` block lists them as JSON first; an assistant message's ``tool_calls`` are
+written the way the model writes them, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+(the format the server parses back into ``tool_calls``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ EOS_TOKEN_ID = NUM_BYTES  # <|endoftext|>, also the pad id
 
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
+    "{%- if tools -%}"
+    "{{- '<|system|>\\n# Tools\\n<tools>\\n' -}}"
+    "{%- for tool in tools -%}{{- (tool.function if tool.function is defined else tool) | tojson -}}{{- '\\n' -}}{%- endfor -%}"
+    "{{- '</tools>\\nCall: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- set role = 'observation' if message['role'] == 'tool' else message['role'] -%}"
     "{%- if role not in ['system', 'user', 'assistant', 'observation'] -%}"
@@ -49,6 +57,13 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{{- '<|' ~ role ~ '|>\\n' -}}"
     "{%- if message['content'] is not none -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- if role == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{%- set args = fn.arguments if fn.arguments is string else (fn.arguments | tojson) -%}"
+    "{{- '<tool_call>{\"name\": \"' ~ fn.name ~ '\", \"arguments\": ' ~ args ~ '}</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
 )

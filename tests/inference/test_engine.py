@@ -121,7 +121,7 @@ def test_weight_update_mid_generation_changes_version_and_breaks_nothing(setup):
 def test_bad_requests_are_rejected(setup):
     _, _, model, tok = setup
     eng = make_engine(model, tok, max_model_len=64)
-    with pytest.raises(RequestError, match="exceeds the model length"):
+    with pytest.raises(RequestError, match="exceeds the maximum model length"):
         eng.submit(list(range(60)), SamplingParams(max_tokens=10))
     with pytest.raises(RequestError, match="empty"):
         eng.submit([], SamplingParams())

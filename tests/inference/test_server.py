@@ -72,7 +72,7 @@ def test_openai_chat_with_logprobs(server):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"max_tokens": 3}, "prompt"),
-    ({"prompt": "x", "max_tokens": 100000}, "exceeds the model length"),
+    ({"prompt": "x", "max_tokens": 100000}, "exceeds the maximum model length"),
     ({"prompt": [999999999], "max_tokens": 2}, "token ids"),
     ({"prompt": "x", "stream": True}, "stream"),
 ])
@@ -151,3 +151,50 @@ def test_weight_update_during_a_rollout_is_recorded_in_its_version_span(server, 
     assert len(versions) == 200 and result["r"]["choices"][0]["finish_reason"] == "length"
     assert versions[0] == before and versions[-1] == before + 1
     assert versions == sorted(versions)
+
+
+def test_tokenize_and_detokenize(server):
+    """vLLM's /tokenize: a conversation gives the ids a chat request would prefill."""
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(server + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    r = httpx.post(server + "/tokenize", json={"model": "glm5", "messages": messages}).json()
+    assert r["tokens"] == chat["prompt_token_ids"] and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    no_prompt = httpx.post(server + "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert r["tokens"][: no_prompt["count"]] == no_prompt["tokens"] and no_prompt["count"] < r["count"]
+    text = httpx.post(server + "/tokenize", json={"prompt": "héllo"}).json()["tokens"]
+    assert httpx.post(server + "/detokenize", json={"tokens": text}).json()["prompt"] == "héllo"
+    bad = httpx.post(server + "/tokenize", json={"prompt": "x", "messages": messages})
+    assert bad.status_code == 400 and "exactly one" in bad.json()["error"]["message"]
+    assert httpx.post(server + "/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def test_chat_completion_from_tokens_matches_the_chat_request(server):
+    """/v1/chat/completions/tokens samples from the given ids exactly as a chat request from its messages."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "y"}]}],
+            "max_tokens": 8, "temperature": 0, "logprobs": True, "return_token_ids": True}
+    chat = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+    ids = httpx.post(server + "/tokenize", json={"messages": [{"role": "user", "content": "hey"}]}).json()["tokens"]
+    assert chat["prompt_token_ids"] == ids  # text parts are joined
+    tok = httpx.post(server + "/v1/chat/completions/tokens", json={**body, "tokens": ids}, timeout=60).json()
+    assert tok["prompt_token_ids"] == ids
+    assert tok["choices"][0]["token_ids"] == chat["choices"][0]["token_ids"]
+    assert [c["logprob"] for c in tok["choices"][0]["logprobs"]["content"]] == pytest.approx(
+        [c["logprob"] for c in chat["choices"][0]["logprobs"]["content"]], abs=1e-5)
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    r = httpx.post(server + "/v1/chat/completions", json=image)
+    assert r.status_code == 400 and "text content" in r.json()["error"]["message"]
+
+
+def test_tools_are_rendered_into_the_prompt(server):
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                               "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    messages = [{"role": "user", "content": "1+1?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    ids = httpx.post(server + "/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"]
+    text = httpx.post(server + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert '{"name": "add", "description": "Add two integers."' in text
+    assert '<|assistant|>\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><|observation|>\n2' in text
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": messages, "tools": [{"type": "function", "function": {}}]})
+    assert r.status_code == 400 and "name" in r.json()["error"]["message"]

@@ -148,6 +148,15 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]] | str:
     return calls
 
 
+def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """``(text without its tool-call blocks, calls)`` as an OpenAI-compatible server returns a
+    message; when a block is malformed nothing is parsed and the text comes back whole."""
+    calls = parse_tool_calls(text)
+    if isinstance(calls, str) or not calls:
+        return text, []
+    return _TOOL_CALL.sub("", text).strip(), calls
+
+
 class ToolEnv(MultiTurnEnv):
     """Tools are methods named in ``tools``, called as ``method(state, **arguments)``;
     results (strings) go back as ``tool`` messages."""
@@ -226,5 +235,5 @@ def turn_suffix(tokenizer: Any, history: list[Message], new: list[Message]) -> l
     return list(tokenizer.encode(after[len(before):], add_special_tokens=False))
 
 
-__all__ = ["MultiTurnConfig", "MultiTurnEnv", "ToolEnv", "Turn", "parse_tool_calls", "prompt_ids", "tool_schema",
-           "turn_suffix"]
+__all__ = ["MultiTurnConfig", "MultiTurnEnv", "ToolEnv", "Turn", "parse_tool_calls", "prompt_ids",
+           "split_tool_calls", "tool_schema", "turn_suffix"]

@@ -16,7 +16,10 @@ It is an asyncio program with three concurrent jobs:
   qualify, compute group advantages and write ``rollouts/step_n.pt`` atomically.
 
 Environments score completions here (``env.score``); tool and multi-turn environments
-run their episodes through the same client.
+run their episodes through the same client, their turns computed in env worker processes.
+An :class:`~primerl.envs.agent.AgentEnv` (the verifiers bridge, agent harnesses) runs
+whole groups in a worker against the inference endpoint and returns its model calls,
+which :func:`~primerl.envs.agent.interleave` turns into token-exact samples.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import attrs
 
 from primerl.config import RunConfig
 from primerl.envs import Environment, Task
+from primerl.envs.agent import AgentEnv, Endpoint, interleave
 from primerl.envs.multiturn import MultiTurnEnv, prompt_ids, turn_suffix
 from primerl.envs.workers import EnvWorkers
 from primerl.registry import get_registry
@@ -88,6 +92,10 @@ class InferenceClient:
                     raise RuntimeError(f"inference server {url} not ready after {deadline_s:.0f}s")
                 await asyncio.sleep(0.2)
 
+    def pick(self) -> str:
+        """A server for work that must stay on one (an agent env's group: its prefix cache)."""
+        return next(self._rr)
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._post("/v1/chat/completions", body)
 
@@ -138,6 +146,8 @@ class Orchestrator:
         if isinstance(env, MultiTurnEnv):
             self.workers = EnvWorkers(cfg.env.name, cfg.env, self.o.env_workers)
             self.tokenizer = get_registry().load("model", cfg.model.name)().tokenizer(cfg.model)
+        elif isinstance(env, AgentEnv):
+            self.workers = EnvWorkers(cfg.env.name, cfg.env, self.o.env_workers)
 
     def _task_stream(self) -> Iterator[Task]:
         rng = random.Random(self.cfg.seed)
@@ -203,6 +213,9 @@ class Orchestrator:
         self.finished.put_nowait(group)
 
     async def rollout(self, group: Group) -> None:
+        if isinstance(self.env, AgentEnv):
+            await self.agent_rollout(group)
+            return
         if self.workers is not None:
             await self.multi_turn_rollout(group)
             return
@@ -245,6 +258,27 @@ class Orchestrator:
         for sample in episodes:
             group.samples.append(sample)
             group.tokens += sum(sample["loss_mask"])
+        self.tokens_since_batch += group.tokens
+
+    async def agent_rollout(self, group: Group) -> None:
+        """The env runs the group in a worker; every episode's calls become samples."""
+        o = self.o
+        endpoint = Endpoint(
+            base_url=self.client.pick() + "/v1", model=self.cfg.model.name, max_tokens=o.max_tokens,
+            temperature=o.temperature, top_p=o.top_p, max_model_len=self.cfg.inference.max_model_len,
+            return_routed_experts=self.want_routed)
+        timeout = getattr(self.cfg.env, "episode_timeout_s", None)
+        episodes = await self.workers.call("run_group", group.task, endpoint, o.group_size, timeout=timeout)
+        for i, ep in enumerate(episodes):
+            if ep.error:
+                log(f"episode of task {group.task.id} ended early: {ep.error}")
+            for sample in interleave(ep.calls):
+                sample.update(reward=float(ep.reward), temperature=o.temperature, task_id=group.task.id, episode=i,
+                              routed_experts=_decode_routed(sample["routed_experts"]))
+                group.samples.append(sample)
+                group.tokens += sum(sample["loss_mask"])
+        if not group.samples:
+            raise RuntimeError(f"no episode of task {group.task.id} sampled a token")
         self.tokens_since_batch += group.tokens
 
     async def episode(self, task: Task) -> dict[str, Any]:
@@ -319,9 +353,11 @@ class Orchestrator:
             self.cancel_hopeless(n + 1)
             samples = []
             for g in groups:
-                advantages = compute_advantages([s["reward"] for s in g.samples], self.o.advantage)
-                for s, a in zip(g.samples, advantages):
-                    samples.append({**s, "advantage": float(a)})
+                # one advantage per episode (an agent env's episode may train as several samples)
+                episodes = {s.get("episode", i): s["reward"] for i, s in enumerate(g.samples)}
+                advantage = dict(zip(episodes, compute_advantages(list(episodes.values()), self.o.advantage)))
+                for i, s in enumerate(g.samples):
+                    samples.append({**s, "advantage": float(advantage[s.get("episode", i)])})
             now = time.monotonic()
             rewards = [s["reward"] for s in samples]
             staleness = [(n - 1) - g.oldest_version for g in groups]
@@ -391,7 +427,11 @@ def _decode_routed(obj: dict[str, Any] | None):
     import numpy as np
     import torch
 
-    arr = np.frombuffer(base64.b64decode(obj["data"]), dtype=obj["dtype"]).reshape(obj["shape"])
+    if obj.get("start", 0) != 0:
+        raise ValueError(f"routed experts that start at token {obj['start']} cannot be aligned with the sample")
+    data = obj["data"]  # base64 text, or its raw bytes (verifiers' sidecar hands a memoryview)
+    arr = np.frombuffer(base64.b64decode(bytes(data) if not isinstance(data, str) else data),
+                        dtype=obj["dtype"]).reshape(obj["shape"])
     return torch.from_numpy(arr.copy())
 
 

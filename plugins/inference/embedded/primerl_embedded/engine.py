@@ -173,7 +173,7 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model length {self.max_model_len}; shorten the prompt or lower max_tokens"
+                f"maximum model length {self.max_model_len}; shorten the prompt or lower max_tokens"
             )
         if params.n < 1 or params.n > self.max_batch_size:
             raise RequestError(f"n must be in [1, {self.max_batch_size}]")

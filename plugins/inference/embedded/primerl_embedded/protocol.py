@@ -6,6 +6,12 @@ we accept with a wrong value is a 400 that names it. Beyond OpenAI's fields we a
 response carries the token ids of prompt and completion (``prompt_token_ids``,
 ``token_ids``) and the policy version of every generated token (``policy_versions``), so
 training is token-exact.
+
+Beyond OpenAI, what vLLM serves and RL libraries use (verifiers' token client, prime-rl):
+``return_token_ids`` and ``chat_template_kwargs`` on chat requests, ``POST
+/v1/chat/completions/tokens`` (a chat request whose prompt is given as ``tokens``, so a
+multi-turn episode's earlier turns are never re-tokenized), ``POST /tokenize`` and ``POST
+/detokenize``.
 """
 
 from __future__ import annotations
@@ -57,10 +63,33 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "observation"]
-    content: str | None = ""
+    content: str | list[dict[str, Any]] | None = ""
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v: str | list[dict[str, Any]] | None) -> str | None:
+        """Content parts are joined when they are all text; images and audio are not served."""
+        if not isinstance(v, list):
+            return v
+        kinds = {part.get("type") for part in v}
+        if kinds - {"text"}:
+            raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds - {'text'}))}")
+        return "".join(str(part.get("text", "")) for part in v)
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(v.get("name"), str) or not v["name"]:
+            raise ValueError("a tool's function needs a non-empty 'name'")
+        return v
 
 
 class ChatCompletionRequest(_Sampling):
@@ -69,6 +98,42 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    # "auto" (default with tools) parses tool calls out of the output; "none" leaves the text alone
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool = True  # always returned; accepted for vLLM clients that ask
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump() for t in self.tools] if self.tools else None
+
+    def parses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class ChatTokensRequest(ChatCompletionRequest):
+    """``/v1/chat/completions/tokens``: ``tokens`` is the prompt; ``messages`` and ``tools``
+    say what it holds (tools still decide whether tool calls are parsed from the output)."""
+
+    tokens: list[int] = Field(min_length=1)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 class WeightUpdateRequest(BaseModel):

@@ -1,7 +1,8 @@
 """The HTTP face of the embedded engine: OpenAI-compatible API, metrics and admin.
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/metrics`` (Prometheus text) and the admin endpoints a trainer or launcher calls:
+``/metrics`` (Prometheus text); vLLM's extensions that RL libraries call
+(``/v1/chat/completions/tokens``, ``/tokenize``, ``/detokenize``); and the admin endpoints a trainer or launcher calls:
 ``POST /admin/weights`` (``{"path": DIR_OR_FILE, "version": N}``, an HF safetensors
 checkpoint directory, or one safetensors file in /dev/shm for the co-located channel),
 ``POST /admin/pause``, ``POST /admin/resume`` and ``GET /admin/status``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 import uuid
 from pathlib import Path
@@ -26,8 +28,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from primerl.envs.multiturn import split_tool_calls
 from primerl_embedded.engine import Engine, RequestError, SamplingParams, Sequence
-from primerl_embedded.protocol import ChatCompletionRequest, CompletionRequest, WeightUpdateRequest
+from primerl_embedded.protocol import (
+    ChatCompletionRequest,
+    ChatTokensRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    WeightUpdateRequest,
+)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -102,10 +112,10 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
         out: dict[str, Any] = {"token_ids": seq.output_ids, "policy_versions": seq.versions}
         if seq.params.return_routed_experts:
             routed = seq.routed_experts()
-            if routed is not None:
+            if routed is not None:  # vLLM's layout: data first, rows from token `start` of the prompt
                 out["routed_experts"] = {
-                    "shape": list(routed.shape), "dtype": str(routed.dtype).replace("torch.", ""),
                     "data": base64.b64encode(routed.contiguous().numpy().tobytes()).decode(),
+                    "shape": list(routed.shape), "dtype": str(routed.dtype).replace("torch.", ""), "start": 0,
                 }
         return out
 
@@ -169,20 +179,21 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
                 "model": model_name, "choices": choices,
                 "usage": usage(sum(len(i) for i in prompts) , [s for r in results for s in r])}
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Any:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
+               template_kwargs: dict[str, Any] | None) -> list[int]:
+        """Token ids of a conversation through the chat template; ValueError names what failed."""
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                tokenize=True, return_dict=False, **(template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
-            return error(400, f"messages could not be rendered with the chat template: {exc}", "messages")
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
+            raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    async def chat_completion(req: ChatCompletionRequest, ids: list[int]) -> Any:
         top = req.top_logprobs if req.logprobs else None
         params = params_from(req, req.max_completion_tokens or req.max_tokens, (top or 0) if req.logprobs else None)
         try:
-            seqs = await run(list(ids), params)
+            seqs = await run(ids, params)
         except RequestError as exc:
             return error(400, str(exc))
         choices = []
@@ -198,10 +209,56 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
                                          for k, v in alts.items()],
                     })
                 lp = {"content": content}
-            choices.append({"index": i, "message": {"role": "assistant", "content": text_of(seq)},
-                            "finish_reason": seq.finish_reason, "logprobs": lp, **extras(seq)})
+            text, finish = text_of(seq), seq.finish_reason
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if req.parses_tools():
+                rest, calls = split_tool_calls(text)
+                if calls:
+                    message["content"] = rest or None
+                    message["tool_calls"] = [
+                        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                         "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                        for c in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": lp, **extras(seq)})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_name, "choices": choices, "prompt_token_ids": list(ids), "usage": usage(len(ids), seqs)}
+                "model": model_name, "choices": choices, "prompt_token_ids": ids, "usage": usage(len(ids), seqs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest) -> Any:
+        try:
+            ids = render(req.template_messages(), req.template_tools(), req.add_generation_prompt,
+                         req.chat_template_kwargs)
+        except ValueError as exc:
+            return error(400, str(exc), "messages")
+        return await chat_completion(req, ids)
+
+    @app.post("/v1/chat/completions/tokens")
+    async def chat_tokens(req: ChatTokensRequest) -> Any:
+        """A chat turn whose prompt arrives as token ids: the engine's own tokens of the earlier
+        turns plus the new turn's, so nothing the model produced is re-tokenized."""
+        return await chat_completion(req, list(req.tokens))
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Any:
+        if (req.prompt is None) == (req.messages is None):
+            return error(400, "give exactly one of 'prompt' (text) or 'messages' (a conversation)")
+        if req.prompt is not None:
+            ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            try:
+                ids = render([m.model_dump(exclude_none=True) for m in req.messages],
+                             [t.model_dump() for t in req.tools] if req.tools else None,
+                             req.add_generation_prompt, req.chat_template_kwargs)
+            except ValueError as exc:
+                return error(400, str(exc), "messages")
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Any:
+        if any(t < 0 or t >= len(tokenizer) for t in req.tokens):
+            return error(400, f"token ids must be in [0, {len(tokenizer)})", "tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

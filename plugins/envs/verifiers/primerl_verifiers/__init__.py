@@ -1,0 +1,1 @@
+"""The verifiers bridge: environments built with the verifiers library, trained by primerl."""
