@@ -67,22 +67,36 @@ def test_logits_match_transformers(arch):
     assert torch.isfinite(out).all()
 
 
-def test_packed_rows_match_separate_forwards(arch):
+@pytest.mark.parametrize("unpack", [True, False], ids=["one-sequence-per-row", "masked-rows"])
+def test_packed_rows_match_separate_forwards(arch, unpack, monkeypatch):
+    """Two packed rows (the second right-padded); attention either runs one sequence per
+    row (the trainer's layout) or on the masked packed rows: both equal separate forwards."""
+    from primerl.models.decoder import make_batch, make_segments
+
     _, _, model = arch
-    lens = [9, 30, 14]
-    parts = [random_ids(1, n, seed=10 + n)[0] for n in lens]
-    ids = torch.cat(parts)[None]
-    positions = torch.cat([torch.arange(n) for n in lens])[None]
-    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+    monkeypatch.setattr(model, "unpack_segments", unpack)
+    rows = [[9, 30, 14], [5, 21]]
+    S = sum(rows[0])
+    parts = [[random_ids(1, n, seed=10 + 7 * r + n)[0] for n in lens] for r, lens in enumerate(rows)]
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    positions, segments = torch.zeros_like(ids), torch.zeros_like(ids)
+    for r, lens in enumerate(rows):
+        n = sum(lens)
+        ids[r, :n] = torch.cat(parts[r])
+        positions[r, :n] = torch.cat([torch.arange(k) for k in lens])
+        segments[r, :n] = torch.cat([torch.full((k,), i) for i, k in enumerate(lens)])
+    lengths = torch.tensor([sum(lens) for lens in rows])
+    assert make_segments(make_batch(positions, lengths, segments, None, None, None)) is not None
     with torch.no_grad():
-        packed = model(ids, positions, torch.tensor([sum(lens)]), segment_ids=segments)
-    start = 0
-    for toks in parts:
-        alone = forward(model, toks[None])
-        n = len(toks)
-        torch.testing.assert_close(packed.logits[0, start : start + n], alone.logits[0], atol=TOL, rtol=0)
-        assert torch.equal(packed.routed_experts[0, start : start + n], alone.routed_experts[0])
-        start += n
+        packed = model(ids, positions, lengths, segment_ids=segments)
+    for r, row_parts in enumerate(parts):
+        start = 0
+        for toks in row_parts:
+            alone = forward(model, toks[None])
+            n = len(toks)
+            torch.testing.assert_close(packed.logits[r, start : start + n], alone.logits[0], atol=TOL, rtol=0)
+            assert torch.equal(packed.routed_experts[r, start : start + n], alone.routed_experts[0])
+            start += n
 
 
 def test_ragged_cached_steps_match_full_forward(arch):

@@ -3,7 +3,10 @@
 Why: RL needs one forward that HF models do not offer, the same for every architecture,
 
 * ragged batches: each row has its own number of new tokens (``lengths``), right-padded;
-* packed training rows: ``segment_ids`` keep several sequences in one row apart;
+* packed training rows: ``segment_ids`` keep several sequences in one row apart; token-wise
+  work (projections, MLPs, experts) runs on the packed rows, while attention runs one
+  sequence per row (:class:`Segments`, what varlen attention kernels do), so its cost is
+  that of each sequence, not of the whole row;
 * a slot-indexed cache for continuous batching: in one call some rows prefill a prompt
   while others decode one token, each at its own past length, and a prefix can be copied
   from slot to slot;
@@ -110,6 +113,7 @@ class Batch:
     write_at: tuple[Tensor, ...] = ()  # (b, i, slot, pos) of every valid new token, [N] each
     read_at: tuple[Tensor, ...] = ()  # (slot, pos) of every key, [B, T] each
     extra: dict[str, Any] = field(default_factory=dict)  # model-specific (RoPE angles)
+    segments: Segments | None = None  # packed rows: the one-sequence-per-row layout for attention
 
     def keys(self, new: Tensor, layer: int, name: str) -> Tensor:
         """Keys seen by the new tokens: ``new`` itself, or the cache after writing ``new`` into it.
@@ -159,6 +163,69 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
     return batch
 
 
+@dataclass
+class Segments:
+    """The sequences of packed rows laid out one per row, for attention.
+
+    A packed row of S tokens holding sequences of lengths l_1..l_m costs S^2 in attention
+    (every pair, masked); one sequence per row costs max(l)^2 per sequence, and the
+    indexer of DSA models scores only its own keys. Token-wise layers never see this
+    layout: a mixer gets ``gather(h)`` and returns through ``scatter``.
+    """
+
+    batch: Batch  # the per-sequence batch: [n, L] positions, lengths, visible, RoPE angles
+    index: Tensor  # [n, L] flat position (b * S + i) of each sequence's tokens; padding -> 0
+    flat: Tensor  # [N] flat positions of the valid tokens
+    where: tuple[Tensor, Tensor]  # (sequence, offset) of each valid token, [N] each
+    shape: tuple[int, int]  # (B, S) of the packed rows
+
+    def gather(self, t: Tensor) -> Tensor:
+        """[B, S, *D] packed -> [n, L, *D] one sequence per row."""
+        return t.flatten(0, 1)[self.index]
+
+    def scatter(self, u: Tensor) -> Tensor:
+        """[n, L, *D] -> [B, S, *D] packed (zeros at padding)."""
+        B, S = self.shape
+        out = u.new_zeros(B * S, *u.shape[2:])
+        out[self.flat] = u[self.where]
+        return out.view(B, S, *u.shape[2:])
+
+
+def make_segments(batch: Batch) -> Segments | None:
+    """The one-sequence-per-row layout of packed rows (a sequence is a run of equal
+    ``segment_ids`` in a row), or None when it would not be cheaper than the packed rows."""
+    B, S = batch.valid.shape
+    flat = batch.valid.flatten().nonzero().squeeze(1)  # [N], row-major
+    if flat.numel() == 0:
+        return None
+    sid, row = batch.segment_ids.flatten()[flat], flat // S
+    first = torch.ones_like(sid, dtype=torch.bool)
+    first[1:] = (sid[1:] != sid[:-1]) | (row[1:] != row[:-1])
+    seq = first.cumsum(0) - 1  # [N] sequence of each token
+    starts = first.nonzero().squeeze(1)  # [n]
+    offset = torch.arange(flat.numel(), device=flat.device) - starts[seq]
+    lengths = torch.bincount(seq, minlength=starts.numel())  # [n]
+    n, L = starts.numel(), int(lengths.max())
+    if n * L * L >= B * S * S:
+        return None
+    index = torch.zeros(n, L, dtype=torch.long, device=flat.device)
+    index[seq, offset] = flat
+    sub = make_batch(batch.positions.flatten()[index], lengths, None, None, None, None)
+    segments = Segments(sub, index, flat, (seq, offset), (B, S))
+    for key, value in batch.extra.items():  # per-token tensors (RoPE angles) follow their tokens
+        sub.extra[key] = segments.gather(value) if isinstance(value, Tensor) and value.shape[:2] == (B, S) else value
+    return segments
+
+
+def mix(mixer: nn.Module, h: Tensor, batch: Batch, carry: Any) -> tuple[Tensor, Any]:
+    """``mixer(h, batch, carry)``, on packed rows one sequence per row (see :class:`Segments`)."""
+    seg = batch.segments
+    if seg is None:
+        return mixer(h, batch, carry)
+    out, carry = mixer(seg.gather(h), seg.batch, carry)
+    return seg.scatter(out), carry
+
+
 # ---------------------------------------------------------------------------------------
 # The pre-norm decoder layer
 # ---------------------------------------------------------------------------------------
@@ -182,7 +249,7 @@ class PreNormLayer(nn.Module):
 
     def forward(self, x: Tensor, batch: Batch, valid: Tensor, carry: Any, replay: Tensor | None):
         """x: [B, S, hidden]; valid: [B*S]. Returns (x, carry, routing or None)."""
-        attn, carry = self.self_attn(self.input_layernorm(x), batch, carry)
+        attn, carry = mix(self.self_attn, self.input_layernorm(x), batch, carry)
         x = x + attn
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
@@ -234,6 +301,8 @@ class DecoderLM(nn.Module):
 
     # parameter/buffer name suffixes kept in float32 whatever the model dtype (routers)
     keep_fp32: tuple[str, ...] = ()
+    # packed rows: attention one sequence per row when cheaper (False: masked packed rows)
+    unpack_segments: bool = True
 
     def init_weights(self, seed: int) -> None:
         """HF's init, reproducible from ``seed`` (see :func:`primerl.models.layers.init_normal_`)."""
@@ -336,6 +405,8 @@ class DecoderLM(nn.Module):
         x = self.input_embeddings()(input_ids)  # [B, S, hidden]
         batch = make_batch(positions, lengths, segment_ids, cache, slots, past_lens)
         self.prepare(batch, x.dtype)
+        if segment_ids is not None and self.unpack_segments:
+            batch.segments = make_segments(batch)
         valid = batch.valid.flatten()  # [B*S]
 
         carry, used, own = None, [], []

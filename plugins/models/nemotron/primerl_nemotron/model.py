@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from primerl.models.attention import GQAttention, gqa_cache_layout
-from primerl.models.decoder import Batch, DecoderLM
+from primerl.models.decoder import Batch, DecoderLM, mix
 from primerl.models.layers import (
     FP32_SUFFIXES,
     MLP,
@@ -157,7 +157,7 @@ class Block(nn.Module):
         if self.kind == "linear_attention":
             return x + self.mixer(h, batch), carry, None
         if self.kind == "full_attention":
-            return x + self.mixer(h, batch)[0], carry, None
+            return x + mix(self.mixer, h, batch, None)[0], carry, None
         if self.is_moe:
             y, routing = self.mixer(h.flatten(0, 1), valid, replay)
             return x + y.view_as(x), carry, routing
