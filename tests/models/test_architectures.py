@@ -312,3 +312,42 @@ def test_block_fp8_quantisation_round_trips_and_fp8_checkpoints_load(tmp_path):
                            model.state_dict()["model.layers.0.self_attn.o_proj.weight"])  # really rounded
     adapter.save_checkpoint(loaded, tmp_path / "back")
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("tokens", [40, 600])
+def test_dense_and_sparse_experts_agree(tokens):
+    """Small batches run every expert densely, large ones loop over the chosen experts: same
+    outputs and same gradients, padding tokens untouched."""
+    from primerl.models import layers
+
+    torch.manual_seed(0)
+    experts = layers.Experts(8, 32, 16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(tokens, 32, requires_grad=True)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2)
+    valid = torch.rand(tokens) > 0.1
+    outs, grads = [], []
+    for path in ("dense", "sparse"):
+        x.grad = None
+        experts.zero_grad()
+        y = experts._dense(x, ids, weights, valid) if path == "dense" else _sparse(experts, x, ids, weights, valid)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in experts.parameters())])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert torch.all(outs[1][~valid] == 0)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _sparse(experts, x, ids, weights, valid):
+    from primerl.models import layers
+
+    saved = layers.DENSE_EXPERTS_MAX_RATIO
+    layers.DENSE_EXPERTS_MAX_RATIO = 0  # force the per-expert loop
+    try:
+        return experts(x, ids, weights, valid)
+    finally:
+        layers.DENSE_EXPERTS_MAX_RATIO = saved
