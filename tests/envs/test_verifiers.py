@@ -151,6 +151,7 @@ def test_primerl_run_trains_on_a_verifiers_env(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
+    assert rows[0]["env/num_turns"] >= 1  # the verifiers rubric's metrics, averaged per episode
     import torch
 
     batch = torch.load(out / "rollouts" / "step_000001.pt", weights_only=False)

@@ -60,6 +60,7 @@ class Group:
     samples: list[dict[str, Any]] = attrs.Factory(list)
     tokens: int = 0
     cancelled: bool = False
+    env_metrics: list[dict[str, float]] = attrs.Factory(list)  # an agent env's, one dict per episode
 
     @property
     def oldest_version(self) -> int:
@@ -272,6 +273,7 @@ class Orchestrator:
         for i, ep in enumerate(episodes):
             if ep.error:
                 log(f"episode of task {group.task.id} ended early: {ep.error}")
+            group.env_metrics.append(ep.metrics)
             for sample in interleave(ep.calls):
                 sample.update(reward=float(ep.reward), temperature=o.temperature, task_id=group.task.id, episode=i,
                               routed_experts=_decode_routed(sample["routed_experts"]))
@@ -377,6 +379,10 @@ class Orchestrator:
             }
             if "turns" in samples[0]:
                 metrics["turns/mean"] = sum(s["turns"] for s in samples) / len(samples)
+            env_metrics = [m for g in groups for m in g.env_metrics]
+            for key in sorted({k for m in env_metrics for k in m}):  # an agent env's own metrics, per episode
+                values = [m[key] for m in env_metrics if key in m]
+                metrics[f"env/{key}"] = sum(values) / len(values)
             self.tokens_since_batch = 0
             last = now
             self.next_batch = n + 1

@@ -58,6 +58,7 @@ class VerifiersEnv(AgentEnv):
     def __init__(self, config: VerifiersConfig | None = None) -> None:
         super().__init__(config)
         self._vf_env: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # one per worker, for every group it runs
 
     @property
     def vf_env(self) -> Any:
@@ -90,7 +91,15 @@ class VerifiersEnv(AgentEnv):
                        info={"vf_input": row})
 
     def run_group(self, task: Task, endpoint: Endpoint, n: int) -> list[Episode]:
-        return asyncio.run(self._run_group(task, endpoint, n))
+        # One loop for the worker's lifetime: whatever the env created on it (semaphores,
+        # HTTP sessions of its rubric) stays usable from one group to the next.
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(self._run_group(task, endpoint, n))
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
 
     async def _run_group(self, task: Task, endpoint: Endpoint, n: int) -> list[Episode]:
         from openai import AsyncOpenAI

@@ -2,8 +2,8 @@
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
 ``/metrics`` (Prometheus text); vLLM's extensions that RL libraries call
-(``/v1/chat/completions/tokens``, ``/tokenize``, ``/detokenize``); and the admin endpoints a trainer or launcher calls:
-``POST /admin/weights`` (``{"path": DIR_OR_FILE, "version": N}``, an HF safetensors
+(``/v1/chat/completions/tokens``, ``/tokenize``, ``/detokenize``); and the admin
+endpoints a trainer or launcher calls: ``POST /admin/weights`` (``{"path": DIR_OR_FILE, "version": N}``, an HF safetensors
 checkpoint directory, or one safetensors file in /dev/shm for the co-located channel),
 ``POST /admin/pause``, ``POST /admin/resume`` and ``GET /admin/status``.
 
