@@ -1,43 +1,18 @@
 """`primerl inference` as users run it: a real process, the official openai client."""
 
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from conftest import InferenceServer
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "primerl.cli", "inference", "--model", "glm5", "--host", "127.0.0.1",
-         "--port", str(port), "--inference.max_model_len", "256"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with InferenceServer("--model", "glm5", "--inference.max_model_len", "256") as s:
+        yield s.url
 
 
 def test_openai_completions_with_logprobs(server):

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
+from conftest import InferenceServer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -186,12 +183,6 @@ def test_checkpoint_round_trip_is_bit_exact_and_matches_transformers_names(arch,
     assert names(tmp_path / "ours") == names(tmp_path / "hf")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_transformers_sharded_checkpoint_served_greedy_equals_generate(arch, tmp_path):
     """`primerl inference --checkpoint DIR` on a checkpoint written by transformers'
@@ -214,30 +205,12 @@ def test_transformers_sharded_checkpoint_served_greedy_equals_generate(arch, tmp
         ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt_ids):].tolist()
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "primerl.cli", "inference", "--model", name, "--checkpoint", str(ckpt),
-         "--host", "127.0.0.1", "--port", str(port), "--inference.max_model_len", "128"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        r = httpx.post(url + "/v1/completions", timeout=60, json={
+    with InferenceServer("--model", name, "--checkpoint", str(ckpt), "--inference.max_model_len", "128") as server:
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
             "model": name, "prompt": prompt_ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
         })
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == ref
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_engine_and_trainer_logprobs_agree(arch):
