@@ -68,7 +68,7 @@ def test_logits_match_transformers(arch):
 def test_packed_rows_match_separate_forwards(arch, unpack, monkeypatch):
     """Two packed rows (the second right-padded); attention either runs one sequence per
     row (the trainer's layout) or on the masked packed rows: both equal separate forwards."""
-    from primerl.models.decoder import make_batch, make_segments
+    from primerl.models.decoder import make_batch
 
     _, _, model = arch
     monkeypatch.setattr(model, "unpack_segments", unpack)
@@ -83,7 +83,8 @@ def test_packed_rows_match_separate_forwards(arch, unpack, monkeypatch):
         positions[r, :n] = torch.cat([torch.arange(k) for k in lens])
         segments[r, :n] = torch.cat([torch.full((k,), i) for i, k in enumerate(lens)])
     lengths = torch.tensor([sum(lens) for lens in rows])
-    assert make_segments(make_batch(positions, lengths, segments, None, None, None)) is not None
+    layout = make_batch(positions, lengths, segments, None, None, None, unpack_segments=unpack)
+    assert (layout.segments is not None) == unpack and (layout.visible is None) == unpack
     with torch.no_grad():
         packed = model(ids, positions, lengths, segment_ids=segments)
     for r, row_parts in enumerate(parts):

@@ -105,7 +105,7 @@ class Batch:
     positions: Tensor  # [B, S] long
     lengths: Tensor  # [B] long: valid new tokens per row
     valid: Tensor  # [B, S] bool
-    visible: Tensor  # [B, S, T] bool: key j may be attended by query i
+    visible: Tensor  # [B, S, T] bool: key j may be attended by query i (None when ``segments`` is set)
     segment_ids: Tensor | None = None  # [B, S] packed rows (no cache)
     cache: SlotCache | None = None
     slots: Tensor | None = None  # [B]
@@ -130,8 +130,13 @@ class Batch:
 
 
 def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, cache: SlotCache | None,
-               slots: Tensor | None, past_lens: Tensor | None) -> Batch:
-    """Key visibility and cache addressing shared by all layers."""
+               slots: Tensor | None, past_lens: Tensor | None, *, unpack_segments: bool = False) -> Batch:
+    """Key visibility and cache addressing shared by all layers.
+
+    ``unpack_segments``: for packed rows, lay the sequences out one per row for attention
+    when that is cheaper (:class:`Segments`); the packed rows' own [B, S, S] mask is then
+    never built (``visible`` is None), which is what keeps long packed rows affordable.
+    """
     B, S = positions.shape
     device = positions.device
     i = torch.arange(S, device=device)
@@ -139,6 +144,9 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
     if cache is None:
         if slots is not None or past_lens is not None:
             raise ValueError("slots and past_lens need a cache")
+        segments = _segments(positions, valid, segment_ids) if segment_ids is not None and unpack_segments else None
+        if segments is not None:
+            return Batch(positions, lengths, valid, None, segment_ids, segments=segments)  # type: ignore[arg-type]
         j = i
         visible = (j[None, :] <= i[:, None]).expand(B, S, S)  # causal
         if segment_ids is not None:
@@ -190,15 +198,22 @@ class Segments:
         out[self.flat] = u[self.where]
         return out.view(B, S, *u.shape[2:])
 
+    def adopt(self, extra: dict[str, Any]) -> None:
+        """Per-token tensors of the packed batch's ``extra`` (RoPE angles) follow their tokens."""
+        B, S = self.shape
+        for key, value in extra.items():
+            is_per_token = isinstance(value, Tensor) and value.shape[:2] == (B, S)
+            self.batch.extra[key] = self.gather(value) if is_per_token else value
 
-def make_segments(batch: Batch) -> Segments | None:
+
+def _segments(positions: Tensor, valid: Tensor, segment_ids: Tensor) -> Segments | None:
     """The one-sequence-per-row layout of packed rows (a sequence is a run of equal
     ``segment_ids`` in a row), or None when it would not be cheaper than the packed rows."""
-    B, S = batch.valid.shape
-    flat = batch.valid.flatten().nonzero().squeeze(1)  # [N], row-major
+    B, S = valid.shape
+    flat = valid.flatten().nonzero().squeeze(1)  # [N], row-major
     if flat.numel() == 0:
         return None
-    sid, row = batch.segment_ids.flatten()[flat], flat // S
+    sid, row = segment_ids.flatten()[flat], flat // S
     first = torch.ones_like(sid, dtype=torch.bool)
     first[1:] = (sid[1:] != sid[:-1]) | (row[1:] != row[:-1])
     seq = first.cumsum(0) - 1  # [N] sequence of each token
@@ -210,11 +225,8 @@ def make_segments(batch: Batch) -> Segments | None:
         return None
     index = torch.zeros(n, L, dtype=torch.long, device=flat.device)
     index[seq, offset] = flat
-    sub = make_batch(batch.positions.flatten()[index], lengths, None, None, None, None)
-    segments = Segments(sub, index, flat, (seq, offset), (B, S))
-    for key, value in batch.extra.items():  # per-token tensors (RoPE angles) follow their tokens
-        sub.extra[key] = segments.gather(value) if isinstance(value, Tensor) and value.shape[:2] == (B, S) else value
-    return segments
+    sub = make_batch(positions.flatten()[index], lengths, None, None, None, None)
+    return Segments(sub, index, flat, (seq, offset), (B, S))
 
 
 def mix(mixer: nn.Module, h: Tensor, batch: Batch, carry: Any) -> tuple[Tensor, Any]:
@@ -403,10 +415,11 @@ class DecoderLM(nn.Module):
             raise ValueError(f"replay_experts must be [B, S, {len(self.moe_layers)}, {k}]")
 
         x = self.input_embeddings()(input_ids)  # [B, S, hidden]
-        batch = make_batch(positions, lengths, segment_ids, cache, slots, past_lens)
+        batch = make_batch(positions, lengths, segment_ids, cache, slots, past_lens,
+                           unpack_segments=self.unpack_segments)
         self.prepare(batch, x.dtype)
-        if segment_ids is not None and self.unpack_segments:
-            batch.segments = make_segments(batch)
+        if batch.segments is not None:
+            batch.segments.adopt(batch.extra)
         valid = batch.valid.flatten()  # [B*S]
 
         carry, used, own = None, [], []
