@@ -62,7 +62,8 @@ class GQAttention(nn.Module):
         # each kv head serves H/KV consecutive query heads (HF's repeat_kv)
         k = k.transpose(1, 2)[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
         v = v.transpose(1, 2)[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
+        mask = None if batch.causal else batch.visible[:, None]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=batch.visible[:, None], scale=self.scaling
+            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=batch.causal, scale=self.scaling
         )  # [B, H, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * D)), carry

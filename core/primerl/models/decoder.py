@@ -114,6 +114,9 @@ class Batch:
     read_at: tuple[Tensor, ...] = ()  # (slot, pos) of every key, [B, T] each
     extra: dict[str, Any] = field(default_factory=dict)  # model-specific (RoPE angles)
     segments: Segments | None = None  # packed rows: the one-sequence-per-row layout for attention
+    # every row is one right-padded sequence from position 0, no cache: plain causal
+    # attention is exact for valid queries (SDPA's is_causal, no mask tensor to read)
+    causal: bool = False
 
     def keys(self, new: Tensor, layer: int, name: str) -> Tensor:
         """Keys seen by the new tokens: ``new`` itself, or the cache after writing ``new`` into it.
@@ -226,6 +229,7 @@ def _segments(positions: Tensor, valid: Tensor, segment_ids: Tensor) -> Segments
     index = torch.zeros(n, L, dtype=torch.long, device=flat.device)
     index[seq, offset] = flat
     sub = make_batch(positions.flatten()[index], lengths, None, None, None, None)
+    sub.causal = True
     return Segments(sub, index, flat, (seq, offset), (B, S))
 
 

@@ -97,7 +97,10 @@ class MLAttention(nn.Module):
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
             k = torch.cat([k_nope, k_rot[:, None].expand(B, H, T, self.rope_dim)], dim=-1)  # [B, H, T, nope+rope]
             q = torch.cat([q_nope, q_rot], dim=-1)  # [B, H, S, nope+rope]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scaling)  # [B, H, S, v]
+            if batch.causal and mask is batch.visible:  # no key selection (DSA) on a plain causal batch
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [B, H, S, v]
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim)), carry
 
     def _absorbed(self, q_nope: Tensor, q_rot: Tensor, latent: Tensor, k_rot: Tensor, mask: Tensor) -> Tensor:
