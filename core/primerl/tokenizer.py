@@ -42,6 +42,10 @@ SPECIAL_TOKENS = (EOS_TOKEN, "[gMASK]", "<sop>", *ROLE_TOKENS)
 NUM_BYTES = 256
 VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)  # len(byte_tokenizer()) == 263
 EOS_TOKEN_ID = NUM_BYTES  # <|endoftext|>, also the pad id
+# What every tiny preset's config.json takes from this tokenizer: embedding rows padded to
+# a multiple of 64 (263 -> 320), and its special token ids.
+PADDED_VOCAB_SIZE = (VOCAB_SIZE + 63) // 64 * 64
+TOKEN_IDS = {"bos_token_id": None, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID}
 
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"

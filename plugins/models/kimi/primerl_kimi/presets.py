@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from primerl.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+from primerl.tokenizer import PADDED_VOCAB_SIZE, TOKEN_IDS
 
 TINY: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
-    "vocab_size": (VOCAB_SIZE + 63) // 64 * 64,  # 263 tokens -> 320 rows
+    "vocab_size": PADDED_VOCAB_SIZE,  # the byte tokenizer's 263 tokens -> 320 rows
     "hidden_size": 128,
     "intermediate_size": 256,
     "moe_intermediate_size": 64,
@@ -52,9 +52,7 @@ TINY: dict[str, Any] = {
     "attention_bias": False,
     "attention_dropout": 0.0,
     "tie_word_embeddings": False,
-    "bos_token_id": None,
-    "eos_token_id": EOS_TOKEN_ID,
-    "pad_token_id": EOS_TOKEN_ID,
+    **TOKEN_IDS,
     "use_cache": True,
     "dtype": "float32",
 }

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from primerl.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+from primerl.tokenizer import PADDED_VOCAB_SIZE, TOKEN_IDS
 
 LAYER_CODES = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
 # older checkpoints spell the kinds differently
@@ -24,7 +24,7 @@ LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
 TINY: dict[str, Any] = {
     "architectures": ["NemotronHForCausalLM"],
     "model_type": "nemotron_h",
-    "vocab_size": (VOCAB_SIZE + 63) // 64 * 64,
+    "vocab_size": PADDED_VOCAB_SIZE,  # the byte tokenizer's 263 tokens -> 320 rows
     "hidden_size": 128,
     "layers_block_type": ["linear_attention", "moe", "full_attention", "moe", "linear_attention", "moe"],
     "num_attention_heads": 4,
@@ -61,9 +61,7 @@ TINY: dict[str, Any] = {
     "mlp_bias": False,
     "residual_in_fp32": False,
     "tie_word_embeddings": False,
-    "bos_token_id": None,
-    "eos_token_id": EOS_TOKEN_ID,
-    "pad_token_id": EOS_TOKEN_ID,
+    **TOKEN_IDS,
     "use_cache": True,
     "dtype": "float32",
 }

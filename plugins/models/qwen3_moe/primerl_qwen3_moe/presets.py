@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from primerl.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE
+from primerl.tokenizer import PADDED_VOCAB_SIZE, TOKEN_IDS
 
 TINY: dict[str, Any] = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
-    "vocab_size": (VOCAB_SIZE + 63) // 64 * 64,
+    "vocab_size": PADDED_VOCAB_SIZE,  # the byte tokenizer's 263 tokens -> 320 rows
     "hidden_size": 128,
     "intermediate_size": 256,
     "moe_intermediate_size": 64,
@@ -38,9 +38,7 @@ TINY: dict[str, Any] = {
     "use_sliding_window": False,
     "sliding_window": None,
     "tie_word_embeddings": False,
-    "bos_token_id": None,
-    "eos_token_id": EOS_TOKEN_ID,
-    "pad_token_id": EOS_TOKEN_ID,
+    **TOKEN_IDS,
     "use_cache": True,
     "dtype": "float32",
 }
