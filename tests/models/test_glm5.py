@@ -79,6 +79,21 @@ def test_sparse_attention_path_is_exercised(model):
     assert (sparse_logits[:, 40:] - dense_logits[:, 40:]).abs().max() > 1e-3
 
 
+def test_dsa_top_keys_break_exact_ties_like_a_stable_sort():
+    """The indexer's top-k picks what a stable descending sort picks (earlier key first on
+    exact ties, which relu makes common: all-zero scores), whatever the padding."""
+    from primerl_glm5.model import top_keys
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        T = int(torch.randint(33, 90, (1,), generator=gen))
+        scores = torch.randint(0, 6, (3, 4, T), generator=gen).float()  # few values: many ties
+        scores[torch.rand(3, 4, T, generator=gen) < 0.4] = float("-inf")  # keys not visible
+        order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :32]
+        expected = torch.zeros(3, 4, T, dtype=torch.bool).scatter_(-1, order, True)
+        assert torch.equal(top_keys(scores, 32), expected)
+
+
 def test_model_shape_and_layout(adapter, model, hf_model):
     assert model.config.indexer_types == ("full", "shared", "full", "shared")
     assert adapter.moe_layout(ModelConfig(preset="tiny")) == {

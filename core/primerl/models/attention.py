@@ -62,7 +62,7 @@ class GQAttention(nn.Module):
         # each kv head serves H/KV consecutive query heads (HF's repeat_kv)
         k = k.transpose(1, 2)[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
         v = v.transpose(1, 2)[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
-        mask = None if batch.causal else batch.visible[:, None]
+        mask = None if batch.causal else batch.bias(batch.visible, q.dtype)[:, None]  # [B, 1, S, T] additive
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=mask, is_causal=batch.causal, scale=self.scaling
         )  # [B, H, S, D]

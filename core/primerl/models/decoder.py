@@ -55,7 +55,10 @@ class SlotCache:
     * ``"state"``: ``{name: (shape, dtype)}``, stored ``[num_slots, *shape]``: a recurrent
       layer's state after the slot's last token (Mamba's conv window and SSM state).
 
-    The caller owns which slot is free and how long each one is. Tensors start at zero,
+    The caller owns which slot is free and how long each one is. A batch whose slots are
+    consecutive (passed as a ``range``) reads the cache in place; any other batch gathers
+    its rows, so an engine keeps its running sequences in the first slots (:meth:`swap`).
+    Tensors start at zero,
     so never-written positions are finite (they are always masked out). Recurrent state
     exists only at a slot's current length, so caches with states cannot copy a prefix
     (``supports_prefix_reuse`` is False and the engine does not try); a recurrent layer
@@ -80,6 +83,20 @@ class SlotCache:
 
     def tensors(self) -> list[Tensor]:
         return [t for layer in (*self.per_token, *self.state) for t in layer.values()]
+
+    @torch.no_grad()
+    def swap(self, a: int, b: int, n: int | None = None) -> None:
+        """Exchange slots ``a`` and ``b``: the first ``n`` positions (all when None) of every
+        per-token tensor, and the recurrent states."""
+        n = self.max_len if n is None else n
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"swap length {n} outside [0, {self.max_len}]")
+        for layer in self.per_token:
+            for t in layer.values():
+                t[[a, b], :n] = t[[b, a], :n]
+        for layer in self.state:
+            for t in layer.values():
+                t[[a, b]] = t[[b, a]]
 
     @torch.no_grad()
     def copy_prefix(self, src_slot: int, dst_slot: int, n: int) -> None:
@@ -117,6 +134,17 @@ class Batch:
     # every row is one right-padded sequence from position 0, no cache: plain causal
     # attention is exact for valid queries (SDPA's is_causal, no mask tensor to read)
     causal: bool = False
+    slot_range: tuple[int, int] | None = None  # slots are start..stop-1 in order: cache rows are read in place
+    _biases: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+
+    def bias(self, mask: Tensor, dtype: torch.dtype) -> Tensor:
+        """``mask`` ([B, S, T] bool) as an additive bias (0 where visible, -inf elsewhere),
+        built once per forward for each mask the layers share (``visible``, a DSA selection)."""
+        key = (id(mask), dtype)
+        if key not in self._biases:
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._biases[key] = (mask, bias)  # holding the mask keeps its id from being reused
+        return self._biases[key][1]
 
     def keys(self, new: Tensor, layer: int, name: str) -> Tensor:
         """Keys seen by the new tokens: ``new`` itself, or the cache after writing ``new`` into it.
@@ -129,11 +157,18 @@ class Batch:
         b, i, slot, pos = self.write_at
         store[slot, pos] = new[b, i].to(store.dtype)
         slots, positions = self.read_at  # [B, T] each; every row reads positions 0..T-1
-        return store[:, : positions.shape[1]].index_select(0, slots[:, 0]).to(new.dtype)  # row copies
+        return self.slot_rows(store[:, : positions.shape[1]]).to(new.dtype)
+
+    def slot_rows(self, store: Tensor) -> Tensor:
+        """Rows ``slots`` of a [num_slots, ...] cache tensor: a view when the slots are
+        consecutive, else a gathered copy. [B, ...]."""
+        if self.slot_range is not None:
+            return store[self.slot_range[0] : self.slot_range[1]]
+        return store.index_select(0, self.slots)
 
 
 def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, cache: SlotCache | None,
-               slots: Tensor | None, past_lens: Tensor | None, *, unpack_segments: bool = False) -> Batch:
+               slots: Tensor | range | None, past_lens: Tensor | None, *, unpack_segments: bool = False) -> Batch:
     """Key visibility and cache addressing shared by all layers.
 
     ``unpack_segments``: for packed rows, lay the sequences out one per row for attention
@@ -160,6 +195,12 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
             raise ValueError("a cache needs slots and past_lens")
         if segment_ids is not None:
             raise ValueError("segment_ids (packed rows) cannot be combined with a cache")
+        slot_range = None
+        if isinstance(slots, range):
+            if slots.step != 1 or len(slots) != B:
+                raise ValueError(f"a range of slots must be {B} consecutive slots, got {slots}")
+            slot_range = (slots.start, slots.stop)
+            slots = torch.arange(slots.start, slots.stop, device=device)
         T = int((past_lens + lengths).max())
         if T > cache.max_len:
             raise ValueError(f"sequence of {T} tokens does not fit the cache (max_len {cache.max_len})")
@@ -169,6 +210,7 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
         write_at = (b_idx, i_idx, slots[b_idx], past_lens[b_idx] + i_idx)
         read_at = (slots[:, None].expand(B, T), j[None, :].expand(B, T))
         batch = Batch(positions, lengths, valid, visible, None, cache, slots, past_lens, write_at, read_at)
+        batch.slot_range = slot_range
     # Padding queries look at key 0 only: finite outputs, no all-masked softmax rows.
     batch.visible = torch.where(valid[:, :, None], batch.visible, j[None, None, :] == 0)
     return batch
@@ -393,7 +435,7 @@ class DecoderLM(nn.Module):
         *,
         segment_ids: Tensor | None = None,
         cache: SlotCache | None = None,
-        slots: Tensor | None = None,
+        slots: Tensor | range | None = None,
         past_lens: Tensor | None = None,
         replay_experts: Tensor | None = None,
         logits_for: str = "all",
@@ -406,6 +448,8 @@ class DecoderLM(nn.Module):
             of its own segment.
         cache, slots [B], past_lens [B]: row b's tokens are written to slot ``slots[b]`` at
             positions ``past_lens[b]...`` and attend to everything cached before them.
+            ``slots`` may be a ``range`` of B consecutive slots: the cache is then read in
+            place instead of gathered.
         replay_experts: [B, S, n_moe_layers, top_k] expert ids to force in each MoE layer
             (ignored at padding); weights still come from the router's own scores.
         logits_for: "all" -> logits [B, S, V]; "last" -> [B, V] at each row's last valid token.

@@ -102,7 +102,7 @@ class Mamba2Mixer(nn.Module):
         seq = xbc.transpose(1, 2)  # [B, C, S]
         if batch.cache is not None:
             store = batch.cache.state[self.layer_idx]["conv"]
-            hist = store.index_select(0, batch.slots).to(seq.dtype)  # [B, C, K-1]
+            hist = batch.slot_rows(store).to(seq.dtype)  # [B, C, K-1]
             hist = hist * (batch.past_lens > 0).to(seq.dtype)[:, None, None]  # a new sequence starts at zero
             full = torch.cat([hist, seq], dim=-1)  # [B, C, K-1+S]; token t at index t+K-1
             out = F.conv1d(full, w, self.conv1d.bias, groups=C)  # [B, C, S]
@@ -141,7 +141,7 @@ class Mamba2Mixer(nn.Module):
             decay = decay * (~starts)[..., None]
         if batch.cache is not None:
             store = batch.cache.state[self.layer_idx]["ssm"]
-            h = store.index_select(0, batch.slots).float() * (batch.past_lens > 0).float()[:, None, None, None]
+            h = batch.slot_rows(store).float() * (batch.past_lens > 0).float()[:, None, None, None]
         else:
             h = x.new_zeros(B, H, P, self.state_size)
         dtx = dt[..., None] * x  # [B, S, H, P]

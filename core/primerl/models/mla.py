@@ -28,8 +28,10 @@ from primerl.models.layers import RMSNorm, rope_halves, rope_interleaved
 
 
 def mla_cache_layout(config: Any) -> dict[str, tuple[int, ...]]:
-    """The per-token cache of one MLA layer: the latent and the shared rope key."""
-    return {"latent": (config.kv_lora_rank,), "k_rot": (config.qk_rope_head_dim,)}
+    """The per-token cache of one MLA layer: one row of the latent followed by the shared
+    rope key (kv_lora + rope: 512 + 64 = 576 for DeepSeek-V3, FlashMLA's layout), so a
+    decode step writes and reads one tensor per layer and scores both parts in one product."""
+    return {"ckv": (config.kv_lora_rank + config.qk_rope_head_dim,)}
 
 
 class MLAttention(nn.Module):
@@ -85,13 +87,13 @@ class MLAttention(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, S, kv_lora]
         k_rot = self.rope(k_rot, cos, sin)  # [B, S, rope], one head shared by all
-        latent = batch.keys(latent, L, "latent")  # [B, T, kv_lora]
-        k_rot = batch.keys(k_rot, L, "k_rot")  # [B, T, rope]
-        T = latent.shape[1]
+        ckv = batch.keys(torch.cat([latent, k_rot], dim=-1), L, "ckv")  # [B, T, kv_lora + rope]
+        latent, k_rot = ckv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        T = ckv.shape[1]
 
         mask, carry = self.select(x, q_latent, batch, carry)  # [B, S, T]
         if batch.cache is not None and S == 1:
-            out = self._absorbed(q_nope, q_rot, latent, k_rot, mask)  # decode: [B, H, 1, v]
+            out = self._absorbed(q_nope, q_rot, ckv, batch.bias(mask, ckv.dtype))  # decode: [B, H, 1, v]
         else:
             kv = self.kv_b_proj(latent).view(B, T, H, -1).transpose(1, 2)  # [B, H, T, nope+v]
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -100,27 +102,31 @@ class MLAttention(nn.Module):
             if batch.causal and mask is batch.visible:  # no key selection (DSA) on a plain causal batch
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [B, H, S, v]
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scaling)
+                # HF's eager attention; SDPA would take its math path anyway (q.k and v head
+                # dims differ) and add a fully-masked-row check we never need
+                bias = batch.bias(mask, q.dtype)[:, None]  # [B, 1, S, T], built once for the layers sharing the mask
+                scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scaling) + bias  # [B, H, S, T]
+                out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [B, H, S, v]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim)), carry
 
-    def _absorbed(self, q_nope: Tensor, q_rot: Tensor, latent: Tensor, k_rot: Tensor, mask: Tensor) -> Tensor:
+    def _absorbed(self, q_nope: Tensor, q_rot: Tensor, ckv: Tensor, bias: Tensor) -> Tensor:
         """Attention in the latent space, for decode steps (DeepSeek's "weight absorption").
 
         Expanding every cached latent into per-head keys and values costs
         T * kv_lora * H * (nope + v) per step; folding ``kv_b_proj`` into the query and the
         output instead costs H * T * (kv_lora + rope). Same maths, different rounding.
-        q_nope: [B, H, 1, nope]; q_rot: [B, H, 1, rope]; latent: [B, T, kv_lora];
-        k_rot: [B, T, rope]; mask: [B, 1, T]. Returns [B, H, 1, v].
+        q_nope: [B, H, 1, nope]; q_rot: [B, H, 1, rope]; ckv: [B, T, kv_lora + rope] (the
+        cache rows: latent, then rope key); bias: [B, 1, T] additive mask (0 or -inf).
+        Returns [B, H, 1, v].
         """
         H = self.n_heads
         w = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, kv_lora], [H, v, kv_lora]
         # heads play the role of query rows, so every product is a plain bmm (no broadcast copies)
         q_lat = torch.matmul(q_nope.squeeze(2).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, kv_lora]
-        scores = torch.bmm(q_lat, latent.transpose(1, 2))  # [B, H, T]
-        scores = scores + torch.bmm(q_rot.squeeze(2), k_rot.transpose(1, 2))
-        scores = (scores * self.scaling).masked_fill(~mask, float("-inf"))  # mask [B, 1, T]
-        probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
-        out_lat = torch.bmm(probs, latent)  # [B, H, kv_lora]
+        q = torch.cat([q_lat, q_rot.squeeze(2)], dim=-1)  # [B, H, kv_lora + rope], the cache row's layout
+        scores = torch.baddbmm(bias, q, ckv.transpose(1, 2), alpha=self.scaling)  # [B, H, T]
+        probs = torch.softmax(scores.float(), dim=-1).to(ckv.dtype)
+        out_lat = torch.bmm(probs, ckv[..., : self.kv_lora_rank])  # [B, H, kv_lora]
         out = torch.matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, B, v]
         return out.permute(1, 0, 2).unsqueeze(2)  # [B, H, 1, v]

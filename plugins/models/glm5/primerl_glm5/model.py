@@ -195,20 +195,34 @@ class Indexer(nn.Module):
         q = torch.cat([q_rot, q[..., self.rope_dim :]], dim=-1)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5  # [B, S, H]
 
-        # Score queries in chunks: the per-head scores are [B, chunk, H, T] float32.
-        chunk = max(1, (1 << 26) // (B * self.n_heads * T))
-        selected = torch.zeros(B, S, T, dtype=torch.bool, device=x.device)
-        kt = k.float().transpose(1, 2).unsqueeze(1)  # [B, 1, D, T]
+        # Score queries in chunks of ~4 MB of per-head scores ([B, chunk, H, T] float32),
+        # updated in place: on CPU, passes over fresh tensors of tens of MB are what cost.
+        chunk = max(1, (1 << 20) // (B * self.n_heads * T))
+        selected = []
+        kt = k.float().transpose(1, 2)  # [B, D, T]
+        bias = batch.bias(batch.visible, torch.float32)  # [B, S, T]: -inf where not visible
         for s in range(0, S, chunk):
             e = min(s + chunk, S)
-            scores = F.relu(torch.matmul(q[:, s:e].float(), kt) * self.softmax_scale)  # [B, c, H, T]
-            index_scores = torch.matmul(w[:, s:e, None], scores).squeeze(-2)  # [B, c, T]
-            index_scores = index_scores.masked_fill(~batch.visible[:, s:e], float("-inf"))
-            # Best keys first; equal scores in key order, so that the choice does not depend
-            # on T (padding, cache length). torch.topk breaks ties arbitrarily.
-            top = index_scores.sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]
-            selected[:, s:e].scatter_(-1, top, True)
-        return selected & batch.visible
+            c = e - s
+            # one [B, c*H, D] x [B, D, T] product: broadcasting [B, c, H, D] against the keys
+            # would copy them once per query
+            scores = torch.bmm(q[:, s:e].float().reshape(B, c * self.n_heads, self.head_dim), kt)
+            scores = scores.mul_(self.softmax_scale).relu_().view(B * c, self.n_heads, T)  # relu(q.k * scale)
+            index_scores = torch.bmm(w[:, s:e].reshape(B * c, 1, self.n_heads), scores).view(B, c, T)
+            index_scores += bias[:, s:e]
+            selected.append(top_keys(index_scores, self.topk))
+        return (selected[0] if len(selected) == 1 else torch.cat(selected, dim=1)) & batch.visible
+
+
+def top_keys(scores: Tensor, k: int) -> Tensor:
+    """The ``k`` best keys of each query, exact ties broken in favour of the earlier key:
+    what a stable descending sort would pick, so that the choice does not depend on T
+    (padding, cache length); ``torch.topk`` alone breaks ties arbitrarily.
+    scores: [B, S, T] (-inf for keys not visible). Returns [B, S, T] bool, k per row."""
+    kth = scores.topk(k, dim=-1).values[..., -1:]  # [B, S, 1]: the k-th best score
+    above, tied = scores > kth, scores == kth
+    room = k - above.sum(dim=-1, keepdim=True)  # tied keys that still fit, earliest first
+    return above | (tied & (tied.cumsum(dim=-1) <= room))
 
 
 class Attention(MLAttention):
