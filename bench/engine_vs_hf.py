@@ -4,8 +4,9 @@ Workload: 64 concurrent requests of mixed lengths (prompts of 8-64 tokens, 16-12
 tokens each), greedy, on the tiny GLM-5 preset, float32, same weights in both. HF gets
 its best shot at throughput: one left-padded batch of all 64 prompts, generating until
 the longest request is done; only the tokens each request asked for are counted. The
-engine runs the same 64 requests with continuous batching. Three alternating rounds,
-medians compared.
+engine runs the same 64 requests with continuous batching, its prefix cache emptied
+before each round (no prompt is served from the previous round's cache). Three
+alternating rounds, medians compared.
 
     python bench/engine_vs_hf.py            # final line: {"ratio": engine / hf, ...}
 """
@@ -52,6 +53,7 @@ def main() -> None:
     engine.generate(prompts[0][:4], SamplingParams(max_tokens=2, temperature=0))  # warm-up
 
     def run_engine() -> float:
+        engine.reset_prefix_cache()  # every round starts cold: no prompt is served from the last one's cache
         t0 = time.perf_counter()
         seqs = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
                 for p, n in zip(prompts, new_tokens)]

@@ -94,6 +94,56 @@ def test_continuous_batching_matches_one_at_a_time(setup):
     assert [s.output_ids for s in seqs] == alone
 
 
+def test_slots_stay_compact_through_finishes_aborts_and_prefix_reuse(setup):
+    """Running sequences always hold slots 0..n-1 (so forwards read the cache in place);
+    finishing, aborting, sibling copies and idle prefixes moved or evicted in a cache too
+    small to keep them all change no token and no routed expert."""
+    _, _, model, tok = setup
+    turns = [tok.encode(p) for p in PROMPTS + ["apple pie", "Reverse: hello world", "xyzzy"]]
+    lengths = [3, 9, 5, 7, 4, 11, 6]
+
+    def alone(prompt, n):
+        eng = make_engine(model, tok)
+        (s,) = eng.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        return s.output_ids, s.routed_experts()
+
+    eng = make_engine(model, tok, max_batch_size=4, kv_slots=5)
+    kinds = []
+    forward = eng.model.forward
+
+    def spy(*args, **kw):
+        kinds.append(type(kw["slots"]).__name__)
+        return forward(*args, **kw)
+
+    eng.model.forward = spy
+    try:
+        seqs, doomed = [], None
+        for round_ in range(2):  # the second round finds the first round's prompts as idle prefixes
+            for prompt, n in zip(turns, lengths):
+                seqs.append((prompt, n, eng.submit(prompt, SamplingParams(max_tokens=n, temperature=0,
+                                                                          ignore_eos=True))[0]))
+            if round_ == 0:
+                doomed = eng.submit(turns[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, n=2))
+            while eng.has_work():
+                eng.step()
+                if doomed and len(doomed[0].output_ids) == 5:
+                    eng.abort(doomed)
+                running = [s.slot for s in eng.running]
+                assert running == list(range(len(running)))
+                idle = set(eng.prefix_cache)
+                assert not idle & eng.free_slots and not idle & set(running)
+                assert idle | eng.free_slots | set(running) == set(range(eng.kv_slots))
+    finally:
+        del eng.model.forward
+    assert all(s.finish_reason == "abort" for s in doomed)
+    assert eng.stats.prefix_hit_tokens > 0
+    assert "range" in kinds  # compact batches were read in place
+    for prompt, n, seq in seqs:
+        ids, routed = alone(prompt, n)
+        assert seq.output_ids == ids
+        assert torch.equal(seq.routed_experts(), routed)
+
+
 def test_weight_update_mid_generation_changes_version_and_breaks_nothing(setup):
     adapter, cfg, model, tok = setup
     import copy

@@ -19,6 +19,12 @@ How it works. One thread owns the model and loops over :meth:`Engine.step`:
    log-probability, version and routed experts, and retire finished sequences, whose
    slots stay cached for prefix reuse until they are needed.
 
+Slots stay compact: the i-th running sequence holds slot i (a sequence that finishes
+swaps slots with the last running one; a new one takes the first slot after them), so
+every forward's slots are consecutive and the model reads the cache in place instead of
+gathering every row's keys at every step (vLLM's persistent batch condenses the same
+way). Idle cached prefixes and free slots live above the running ones.
+
 The model contract (see the model plugins): ``model(input_ids [B,S], positions [B,S],
 lengths [B], cache=, slots=, past_lens=, logits_for="last")`` returning ``.logits [B,V]``
 and ``.routed_experts [B,S,L,k]`` (or None for dense models), and
@@ -126,8 +132,8 @@ class Engine:
         self.param = next(model.parameters())
         self.cache = model.new_cache(kv_slots, max_model_len)
         self.kv_slots = kv_slots
-        self.free_slots: list[int] = list(range(kv_slots))[::-1]
-        self.prefix_cache: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # idle slot -> its tokens
+        self.free_slots: set[int] = set(range(kv_slots))
+        self.prefix_cache: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # idle slot -> its tokens, LRU first
         self.prefix_routed: dict[int, list[torch.Tensor]] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -216,8 +222,7 @@ class Engine:
                 if s in self.waiting:
                     self.waiting.remove(s)
                 elif s in self.running:
-                    self.running.remove(s)
-                    self._release(s.slot)
+                    self._retire(s, keep_prefix=False)
 
     def pause(self) -> None:
         with self._lock:
@@ -245,6 +250,11 @@ class Engine:
 
     def running_in_thread(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every idle cached prefix (call between steps, as weight updates do)."""
+        for slot in list(self.prefix_cache):
+            self._release(slot)
 
     def kv_usage(self) -> float:
         """Share of KV slots held by running sequences (idle cached prefixes count as free)."""
@@ -285,16 +295,14 @@ class Engine:
                 with torch.no_grad():
                     apply()
                 self.version = version
-                # idle prefixes were computed by the old weights: do not serve them again
-                for slot in list(self.prefix_cache):
-                    self._release(slot)
+                self.reset_prefix_cache()  # idle prefixes were computed by the old weights
                 self.stats.weight_updates += 1
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 box.append(exc)
             self.stats.last_update_seconds = time.perf_counter() - t0
             done.set()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> None:
         """One scheduler iteration; see the module docstring."""
         if self._updates:
@@ -313,16 +321,37 @@ class Engine:
         self.stats.steps += 1
         self.stats.last_batch_size = len(self.running)
 
-    # ---- scheduling -------------------------------------------------------------------
-    def _allocate(self) -> int | None:
-        if not self.free_slots and self.prefix_cache:
-            self._release(next(iter(self.prefix_cache)))  # evict the least recently used prefix
-        return self.free_slots.pop() if self.free_slots else None
-
+    # ---- scheduling: slot i holds the i-th running sequence ----------------------------
     def _release(self, slot: int) -> None:
         self.prefix_cache.pop(slot, None)
         self.prefix_routed.pop(slot, None)
-        self.free_slots.append(slot)
+        self.free_slots.add(slot)
+
+    def _used_len(self, slot: int) -> int:
+        """Positions of ``slot`` that hold something worth keeping (an idle prefix's tokens)."""
+        return len(self.prefix_cache.get(slot, ()))
+
+    def _move_idle(self, src: int, dst: int) -> None:
+        """Move the idle prefix in ``src`` to the free slot ``dst``; ``src`` becomes free."""
+        self.cache.copy_prefix(src, dst, self._used_len(src))
+        self.free_slots.discard(dst)
+        self.prefix_cache = OrderedDict((dst if k == src else k, v) for k, v in self.prefix_cache.items())
+        if src in self.prefix_routed:
+            self.prefix_routed[dst] = self.prefix_routed.pop(src)
+        self.free_slots.add(src)
+
+    def _vacate(self, slot: int, keep: int | None) -> None:
+        """Make ``slot`` free. An idle prefix there moves to a free slot; with none free, the
+        least recently used prefix other than ``keep`` is evicted first (which may be the
+        one in ``slot``: then it is simply dropped)."""
+        if slot not in self.prefix_cache:
+            return
+        if not self.free_slots:
+            victim = next(k for k in self.prefix_cache if k != keep)  # ``slot`` itself qualifies
+            self._release(victim)
+            if victim == slot:
+                return
+        self._move_idle(slot, min(self.free_slots))
 
     def _best_prefix(self, tokens: list[int]) -> tuple[int | None, int]:
         best, best_len = None, 0
@@ -346,34 +375,57 @@ class Engine:
                 need = len(seq.prompt_ids)
                 if need > budget and budget < self.max_prefill_tokens:
                     break  # this step's prefill budget is spent; keep arrival order
-                slot = self._allocate()
-                if slot is None:
-                    break
                 self.waiting.popleft()
-                seq.slot = slot
-                self._reuse_prefix(seq)
+                self._place(seq, len(self.running))
                 budget -= len(seq.prompt_ids) - seq.cached
                 self.running.append(seq)
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        """Copy the longest cached prefix into the sequence's slot (keep >= 1 token to run)."""
-        if not getattr(self.cache, "supports_prefix_reuse", True):
-            return  # recurrent state (Mamba) exists only at a slot's full length
+    def _place(self, seq: Sequence, slot: int) -> None:
+        """Give ``seq`` the slot after the running ones, with the longest cached prefix of its
+        prompt in it (keep >= 1 token to run): an idle prefix already in that slot is taken
+        over; one elsewhere, or a running sibling's prompt, is copied."""
         limit = len(seq.prompt_ids) - 1
-        if seq.leader is not None and seq.leader.finish_reason is None and seq.leader.slot >= 0:
-            src, n, routed = seq.leader.slot, limit, seq.leader.routed
-        else:
-            src, n = self._best_prefix(seq.prompt_ids)
-            n = min(n, limit)
-            routed = self.prefix_routed.get(src, []) if src is not None else []
-            if src is not None and n > 0:
-                self.prefix_cache.move_to_end(src)
+        src, n, routed = None, 0, []
+        if getattr(self.cache, "supports_prefix_reuse", True):  # recurrent state exists only at full length
+            if seq.leader is not None and seq.leader.finish_reason is None and seq.leader.slot >= 0:
+                src, n, routed = seq.leader.slot, limit, seq.leader.routed
+            else:
+                src, n = self._best_prefix(seq.prompt_ids)
+                n = min(n, limit)
+                routed = self.prefix_routed.get(src, []) if src is not None else []
         if src is None or n <= 0:
-            return
-        self.cache.copy_prefix(src, seq.slot, n)
-        seq.cached = n
-        seq.routed = _take_rows(routed, n)
-        self.stats.prefix_hit_tokens += n
+            src, n = None, 0
+        if src == slot:  # the prefix is already where the sequence goes
+            self.prefix_cache.pop(slot)
+            self.prefix_routed.pop(slot, None)
+        else:
+            if src is not None and src in self.prefix_cache:
+                self.prefix_cache.move_to_end(src)
+            self._vacate(slot, keep=src)
+            self.free_slots.discard(slot)
+            if src is not None:
+                self.cache.copy_prefix(src, slot, n)
+        seq.slot = slot
+        if n:
+            seq.cached = n
+            seq.routed = _take_rows(routed, n)
+            self.stats.prefix_hit_tokens += n
+
+    def _retire(self, seq: Sequence, *, keep_prefix: bool) -> None:
+        """Take a finished sequence out of the running batch; the last running sequence
+        moves into its slot, so slots stay compact. Its KV (all tokens but the last, which
+        was never run) stays cached for prefix reuse when ``keep_prefix``."""
+        i, last = seq.slot, self.running.pop()
+        if last is not seq:
+            self.cache.swap(i, last.slot, max(seq.cached, last.cached))
+            seq.slot, last.slot = last.slot, i
+            self.running[i] = last
+        if keep_prefix and getattr(self.cache, "supports_prefix_reuse", True):
+            self.free_slots.discard(seq.slot)
+            self.prefix_cache[seq.slot] = tuple(seq.tokens[: seq.cached])
+            self.prefix_routed[seq.slot] = list(seq.routed)
+        else:
+            self._release(seq.slot)
 
     # ---- running the model ------------------------------------------------------------
     def _forward(self, seqs: list[Sequence]) -> None:
@@ -385,10 +437,12 @@ class Engine:
         past = torch.tensor([s.cached for s in seqs])
         pos = past[:, None] + torch.arange(width)[None, :]  # [B, S]
         lengths = torch.tensor(lens)
+        slot_ids = [s.slot for s in seqs]
+        slots = range(slot_ids[0], slot_ids[0] + len(seqs))  # compact slots: the cache is read in place
         out = self.model(
             ids.to(device), pos.to(device), lengths.to(device),
             cache=self.cache,
-            slots=torch.tensor([s.slot for s in seqs], device=device),
+            slots=slots if slot_ids == list(slots) else torch.tensor(slot_ids, device=device),
             past_lens=past.to(device),
             logits_for="last",
         )
@@ -423,6 +477,7 @@ class Engine:
             self.stats.generated_tokens += 1
             if len(s.output_ids) == 1:
                 self.stats.prompt_tokens += len(s.prompt_ids)
+        for s in seqs:  # after every row's ``cached`` is current: retiring swaps slots by cached length
             self._check_finished(s)
 
     def _check_finished(self, s: Sequence) -> None:
@@ -436,10 +491,7 @@ class Engine:
             s.finish_reason = "length"
         if s.finish_reason is None:
             return
-        self.running.remove(s)
-        # keep the slot's KV (all tokens but the last, which was never run) for prefix reuse
-        self.prefix_cache[s.slot] = tuple(s.tokens[: s.cached])
-        self.prefix_routed[s.slot] = list(s.routed)
+        self._retire(s, keep_prefix=True)
         if s.on_done is not None:
             s.on_done(s)
 
