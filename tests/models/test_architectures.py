@@ -325,3 +325,28 @@ def _sparse(experts, x, ids, weights, valid):
         return experts(x, ids, weights, valid)
     finally:
         layers.DENSE_EXPERTS_MAX_RATIO = saved
+
+
+def test_dense_experts_see_weight_updates_without_autograd():
+    """Decode keeps the stacked down projections between steps; a weight update (in place,
+    as the engine's channels write, or a new storage) must still be seen by the next step."""
+    from primerl.models import layers
+
+    torch.manual_seed(0)
+    experts = layers.Experts(8, 32, 16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, ids, weights, valid = torch.randn(5, 32), torch.randint(0, 8, (5, 2)), torch.rand(5, 2), torch.ones(5, dtype=torch.bool)
+
+    def fresh():
+        with torch.enable_grad():
+            return experts._dense(x, ids, weights, valid).detach()
+
+    with torch.inference_mode():
+        before = experts._dense(x, ids, weights, valid)
+        with torch.no_grad():
+            experts.down_proj.mul_(2.0)  # in place
+        assert torch.allclose(experts._dense(x, ids, weights, valid), 2 * before, atol=1e-6)
+    experts.down_proj.data = torch.randn_like(experts.down_proj)  # new storage
+    with torch.no_grad():
+        torch.testing.assert_close(experts._dense(x, ids, weights, valid), fresh())

@@ -18,7 +18,7 @@ Importing this module imports torch: only model code (never adapters) imports it
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -45,6 +45,8 @@ class RMSNorm(nn.Module):
         self.weight_in_fp32 = weight_in_fp32
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one call; same numbers as below
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps)
         if self.weight_in_fp32:
             return (self.weight.float() * normed).to(x.dtype)
@@ -329,8 +331,26 @@ class Experts(nn.Module):
         combine = (combine * valid[:, None]).to(x.dtype)  # [N, E]
         h = self._hidden((x @ w_in.reshape(E * rows, H).t()).view(N, E, rows))  # [N, E, I]
         h = (h * combine[:, :, None]).reshape(N, -1)  # [N, E * I]
-        down = self.down_proj.transpose(1, 2).reshape(-1, self.down_proj.shape[1])  # [E * I, hidden]
-        return h @ down
+        return h @ self._stacked_down()
+
+    def _stacked_down(self) -> Tensor:
+        """All experts' down projections stacked, [E * I, hidden]."""
+        w = self.down_proj
+        return derived(self, "down_stacked", lambda: w.transpose(1, 2).reshape(-1, w.shape[1]), w)
+
+
+def derived(owner: nn.Module, name: str, build: Callable[[], Tensor], *sources: Tensor) -> Tensor:
+    """A tensor computed from weights (stacked, concatenated) by ``build``. With autograd
+    on it is rebuilt every call (gradients flow to the sources); without (decode steps) it
+    is kept on ``owner`` until a source changes: a weight update writes in place, which
+    bumps the tensor's version, or swaps its storage."""
+    if torch.is_grad_enabled():
+        return build()
+    key = tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
+    cache = owner.__dict__.setdefault("_derived", {})
+    if name not in cache or cache[name][0] != key:
+        cache[name] = (key, build())
+    return cache[name][1]
 
 
 # Use the dense path when E / top_k is at most this and the tokens per expert (on

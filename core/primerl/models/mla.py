@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from primerl.models.decoder import Batch
-from primerl.models.layers import RMSNorm, rope_halves, rope_interleaved
+from primerl.models.layers import RMSNorm, derived, rope_halves, rope_interleaved
 
 
 def mla_cache_layout(config: Any) -> dict[str, tuple[int, ...]]:
@@ -77,14 +77,16 @@ class MLAttention(nn.Module):
 
         if hasattr(self, "q_proj"):
             q_latent, q = None, self.q_proj(x)
+            kv = self.kv_a_proj_with_mqa(x)
         else:
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, S, q_lora]
+            q_latent, kv = self._down_projections(x)  # [B, S, q_lora], [B, S, kv_lora + rope]
+            q_latent = self.q_a_layernorm(q_latent)
             q = self.q_b_proj(q_latent)
         q = q.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, nope+rope]
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rot = self.rope(q_rot, cos[:, None], sin[:, None])
 
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_rot = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, S, kv_lora]
         k_rot = self.rope(k_rot, cos, sin)  # [B, S, rope], one head shared by all
         ckv = batch.keys(torch.cat([latent, k_rot], dim=-1), L, "ckv")  # [B, T, kv_lora + rope]
@@ -108,6 +110,15 @@ class MLAttention(nn.Module):
                 scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scaling) + bias  # [B, H, S, T]
                 out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [B, H, S, v]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim)), carry
+
+    def _down_projections(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``q_a_proj(x)`` and ``kv_a_proj_with_mqa(x)``; without autograd as one matmul with
+        the two weights stacked (decode steps are dominated by per-op overhead)."""
+        qa, kva = self.q_a_proj, self.kv_a_proj_with_mqa
+        if torch.is_grad_enabled() or qa.bias is not None or kva.bias is not None:
+            return qa(x), kva(x)
+        w = derived(self, "down_proj_stacked", lambda: torch.cat([qa.weight, kva.weight]), qa.weight, kva.weight)
+        return F.linear(x, w).split([qa.out_features, kva.out_features], dim=-1)
 
     def _absorbed(self, q_nope: Tensor, q_rot: Tensor, ckv: Tensor, bias: Tensor) -> Tensor:
         """Attention in the latent space, for decode steps (DeepSeek's "weight absorption").
