@@ -156,9 +156,13 @@ def test_weight_update_mid_generation_changes_version_and_breaks_nothing(setup):
                                                                     ignore_eos=True))[0]
         while len(seq.output_ids) < 20:
             time.sleep(0.001)
-        new = adapter.build(ModelConfig(name="glm5", preset="tiny", seed=99)).state_dict()
+        new_model = adapter.build(ModelConfig(name="glm5", preset="tiny", seed=99))
+        new = new_model.state_dict()
         version = eng.update_weights(lambda: model.load_state_dict(new))
         while seq.finish_reason is None:
+            time.sleep(0.01)
+        after = eng.submit(tok.encode("after"), SamplingParams(max_tokens=8, temperature=0))[0]
+        while after.finish_reason is None:
             time.sleep(0.01)
     finally:
         eng.stop()
@@ -166,6 +170,9 @@ def test_weight_update_mid_generation_changes_version_and_breaks_nothing(setup):
     assert seq.versions[0] == 0 and seq.versions[-1] == 1
     assert seq.versions == sorted(seq.versions)  # one switch, never back
     assert torch.equal(next(iter(model.state_dict().values())), next(iter(new.values())))
+    # nothing derived from the old weights (stacked projections kept between decode steps) survives
+    fresh = make_engine(new_model, tok).generate(tok.encode("after"), SamplingParams(max_tokens=8, temperature=0))[0]
+    assert after.output_ids == fresh.output_ids and after.logprobs == pytest.approx(fresh.logprobs, abs=1e-5)
 
 
 def test_bad_requests_are_rejected(setup):
@@ -224,3 +231,17 @@ def test_shm_channel_adopts_mapped_weights_and_rejects_bad_files(setup, tmp_path
     assert torch.equal(dict(iter_safetensors(path))[first_name], new[first_name])
     eng = make_engine(model, tok)
     assert len(eng.generate(tok.encode("hi"), SamplingParams(max_tokens=4, temperature=0))[0].output_ids) == 4
+    # adopted inside a running engine (its thread) the weights stay ordinary tensors and are used
+    newer = adapter.build(ModelConfig(name="glm5", preset="tiny", seed=43))
+    write_safetensors(newer.state_dict(), tmp_path / "w2.safetensors")
+    eng.start()
+    try:
+        eng.update_weights(lambda: adopt(stage(model, tmp_path / "w2.safetensors", writable=True)))
+        out = eng.submit(tok.encode("hi"), SamplingParams(max_tokens=6, temperature=0))[0]
+        while out.finish_reason is None:
+            time.sleep(0.01)
+    finally:
+        eng.stop()
+    assert not any(p.is_inference() for p in model.parameters())
+    ref = make_engine(newer, tok).generate(tok.encode("hi"), SamplingParams(max_tokens=6, temperature=0))[0]
+    assert out.output_ids == ref.output_ids

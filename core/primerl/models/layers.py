@@ -344,7 +344,7 @@ def derived(owner: nn.Module, name: str, build: Callable[[], Tensor], *sources: 
     on it is rebuilt every call (gradients flow to the sources); without (decode steps) it
     is kept on ``owner`` until a source changes: a weight update writes in place, which
     bumps the tensor's version, or swaps its storage."""
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or any(t.is_inference() for t in sources):  # inference tensors have no version
         return build()
     key = tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
     cache = owner.__dict__.setdefault("_derived", {})

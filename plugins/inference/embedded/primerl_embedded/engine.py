@@ -302,22 +302,22 @@ class Engine:
             self.stats.last_update_seconds = time.perf_counter() - t0
             done.set()
 
-    @torch.inference_mode()
     def step(self) -> None:
         """One scheduler iteration; see the module docstring."""
         if self._updates:
-            self._apply_updates()
+            self._apply_updates()  # outside inference mode: new weights must stay ordinary tensors
         if self._aborts:
             self._apply_aborts()
         if self._paused:
             return
-        self._admit()
-        decode = [s for s in self.running if len(s.tokens) - s.cached == 1]
-        prefill = [s for s in self.running if len(s.tokens) - s.cached > 1]
-        if decode:
-            self._forward(decode)
-        if prefill:
-            self._forward(prefill)
+        with torch.inference_mode():
+            self._admit()
+            decode = [s for s in self.running if len(s.tokens) - s.cached == 1]
+            prefill = [s for s in self.running if len(s.tokens) - s.cached > 1]
+            if decode:
+                self._forward(decode)
+            if prefill:
+                self._forward(prefill)
         self.stats.steps += 1
         self.stats.last_batch_size = len(self.running)
 
