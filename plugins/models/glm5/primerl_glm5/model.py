@@ -44,7 +44,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from primerl.models.decoder import Batch, DecoderLM, PreNormLayer
 from primerl.models.layers import (
     FP32_SUFFIXES,
