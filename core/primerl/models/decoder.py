@@ -128,7 +128,6 @@ class Batch:
     slots: Tensor | None = None  # [B]
     past_lens: Tensor | None = None  # [B]
     write_at: tuple[Tensor, ...] = ()  # (b, i, slot, pos) of every valid new token, [N] each
-    read_at: tuple[Tensor, ...] = ()  # (slot, pos) of every key, [B, T] each
     extra: dict[str, Any] = field(default_factory=dict)  # model-specific (RoPE angles)
     segments: Segments | None = None  # packed rows: the one-sequence-per-row layout for attention
     # every row is one right-padded sequence from position 0, no cache: plain causal
@@ -156,8 +155,8 @@ class Batch:
         store = self.cache.per_token[layer][name]
         b, i, slot, pos = self.write_at
         store[slot, pos] = new[b, i].to(store.dtype)
-        slots, positions = self.read_at  # [B, T] each; every row reads positions 0..T-1
-        return self.slot_rows(store[:, : positions.shape[1]]).to(new.dtype)
+        T = self.visible.shape[-1]  # every row reads positions 0..T-1 of its slot
+        return self.slot_rows(store[:, :T]).to(new.dtype)
 
     def slot_rows(self, store: Tensor) -> Tensor:
         """Rows ``slots`` of a [num_slots, ...] cache tensor: a view when the slots are
@@ -208,9 +207,8 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
         visible = j[None, None, :] <= (past_lens[:, None] + i[None, :])[:, :, None]  # [B, S, T]
         b_idx, i_idx = valid.nonzero(as_tuple=True)
         write_at = (b_idx, i_idx, slots[b_idx], past_lens[b_idx] + i_idx)
-        read_at = (slots[:, None].expand(B, T), j[None, :].expand(B, T))
-        batch = Batch(positions, lengths, valid, visible, None, cache, slots, past_lens, write_at, read_at)
-        batch.slot_range = slot_range
+        batch = Batch(positions, lengths, valid, visible, None, cache, slots, past_lens, write_at,
+                      slot_range=slot_range)
     # Padding queries look at key 0 only: finite outputs, no all-masked softmax rows.
     batch.visible = torch.where(valid[:, :, None], batch.visible, j[None, None, :] == 0)
     return batch
