@@ -186,8 +186,17 @@ class Indexer(nn.Module):
         k = torch.cat([rope_interleaved(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim :]], -1)
         k = batch.keys(k, layer, "index_k")  # [B, T, D], written to the cache even when not scored below
         T = k.shape[1]
-        if T <= self.topk:  # every key is in the top-k: DSA changes nothing
+        # A query that sees at most topk keys keeps them all: only the queries from the first
+        # one that sees more (in any row) on are scored. Exact, and on short sequences (RL
+        # prompts and completions below GLM-5's 2048) it skips most or all of the indexer.
+        if T <= self.topk:
             return batch.visible
+        crowded = (batch.visible.sum(-1) > self.topk).any(0).nonzero()  # [n, 1] query columns
+        if crowded.numel() == 0:
+            return batch.visible
+        s0 = int(crowded[0, 0])
+        x, q_latent, cos, sin = x[:, s0:], q_latent[:, s0:], cos[:, s0:], sin[:, s0:]
+        S = S - s0
 
         q = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, D]
         q_rot = rope_interleaved(q[..., : self.rope_dim], cos[:, :, None], sin[:, :, None])
@@ -197,9 +206,9 @@ class Indexer(nn.Module):
         # Score queries in chunks of ~4 MB of per-head scores ([B, chunk, H, T] float32),
         # updated in place: on CPU, passes over fresh tensors of tens of MB are what cost.
         chunk = max(1, (1 << 20) // (B * self.n_heads * T))
-        selected = []
+        selected = [batch.visible[:, :s0]] if s0 else []
         kt = k.float().transpose(1, 2)  # [B, D, T]
-        bias = batch.bias(batch.visible, torch.float32)  # [B, S, T]: -inf where not visible
+        bias = batch.bias(batch.visible, torch.float32)[:, s0:]  # [B, S, T]: -inf where not visible
         for s in range(0, S, chunk):
             e = min(s + chunk, S)
             c = e - s
