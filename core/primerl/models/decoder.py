@@ -341,11 +341,13 @@ class DecoderLM(nn.Module):
 
     def prepare(self, batch: Batch, dtype: torch.dtype) -> None:
         """Add per-batch tensors every layer shares to ``batch.extra``: RoPE angles
-        (``cos``, ``sin`` [B, S, rope/2]) for models that set ``inv_freq`` and ``rope_factor``."""
+        (``cos``, ``sin`` [B, S, rope/2], and ``rot``, the same as one complex rotation) for
+        models that set ``inv_freq`` and ``rope_factor``."""
         if getattr(self, "inv_freq", None) is not None:
-            from primerl.models.layers import rope_angles
+            from primerl.models.layers import rope_angles, rope_rotation
 
-            batch.extra["cos"], batch.extra["sin"] = rope_angles(batch.positions, self.inv_freq, self.rope_factor, dtype)
+            cos, sin = rope_angles(batch.positions, self.inv_freq, self.rope_factor, dtype)
+            batch.extra.update(cos=cos, sin=sin, rot=rope_rotation(cos, sin))
 
     def input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -68,17 +68,25 @@ def activation(name: str):
         raise ValueError(f"activation {name!r} is not supported; choose one of {', '.join(ACTIVATIONS)}") from None
 
 
-def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3)... of the last dim by the given angles.
+def rope_rotation(cos: Tensor, sin: Tensor) -> Tensor:
+    """``cos + i sin`` in complex64: the per-pair rotation :func:`rope_interleaved` applies,
+    built once per forward (``DecoderLM.prepare``) for all the layers."""
+    return torch.complex(cos.float(), sin.float())
 
-    x: [..., D]; cos, sin: broadcastable to [..., D/2]. Returns [..., D] laid out as
-    (rotated evens, rotated odds): HF's ``apply_rotary_pos_emb_interleave`` layout.
+
+def rope_interleaved(x: Tensor, rot: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3)... of the last dim: pair j by ``rot[..., j]``.
+
+    x: [..., D]; rot: complex, broadcastable to [..., D/2] (:func:`rope_rotation`). Returns
+    [..., D] with the pairs still interleaved, where HF's ``apply_rotary_pos_emb_interleave``
+    de-interleaves them (evens, then odds). Queries and keys are permuted alike, so every
+    q.k is the same sum in another order; keeping the layout spares a copy per call.
     """
-    # (x0 + i x1) * (cos + i sin) on complex pairs: one multiply over x instead of four
-    # strided ones, in float32 (bf16 inputs round once, at the end)
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())  # [..., D/2]
-    rotated = torch.view_as_real(pairs * torch.complex(cos.float(), sin.float()))  # [..., D/2, (re, im)]
-    return rotated.transpose(-1, -2).flatten(-2).to(x.dtype)  # (re..., im...) = (rotated evens, rotated odds)
+    # (x0 + i x1) * (cos + i sin) on complex pairs, in float32 (bf16 inputs round once, at the end)
+    pairs = x.float().unflatten(-1, (-1, 2))  # [..., D/2, 2]
+    if pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()  # view_as_complex needs whole complex numbers in place
+    return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(x.dtype)
 
 
 def rope_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -63,7 +63,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.scaling = qk_head_dim**-0.5 if scaling is None else scaling
-        self.rope = rope_interleaved if interleave else rope_halves
+        self.interleave = interleave
 
     def select(self, x: Tensor, q_latent: Tensor | None, batch: Batch, carry: Any) -> tuple[Tensor, Any]:
         """Which keys each query may attend to: ([B, S, T] bool, carry for the next layer)."""
@@ -73,8 +73,6 @@ class MLAttention(nn.Module):
         """x: [B, S, hidden]. Returns the output [B, S, hidden] and the carry."""
         B, S, _ = x.shape
         H, L = self.n_heads, self.layer_idx
-        cos, sin = batch.extra["cos"], batch.extra["sin"]  # [B, S, rope/2]
-
         if hasattr(self, "q_proj"):
             q_latent, q = None, self.q_proj(x)
             kv = self.kv_a_proj_with_mqa(x)
@@ -84,11 +82,11 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(q_latent)
         q = q.view(B, S, H, -1).transpose(1, 2)  # [B, H, S, nope+rope]
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rot = self.rope(q_rot, cos[:, None], sin[:, None])
+        q_rot = self._rope(q_rot, batch, per_head=True)
 
         latent, k_rot = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, S, kv_lora]
-        k_rot = self.rope(k_rot, cos, sin)  # [B, S, rope], one head shared by all
+        k_rot = self._rope(k_rot, batch, per_head=False)  # [B, S, rope], one head shared by all
         ckv = batch.keys(torch.cat([latent, k_rot], dim=-1), L, "ckv")  # [B, T, kv_lora + rope]
         latent, k_rot = ckv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         T = ckv.shape[1]
@@ -110,6 +108,14 @@ class MLAttention(nn.Module):
                 scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scaling) + bias  # [B, H, S, T]
                 out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [B, H, S, v]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim)), carry
+
+    def _rope(self, t: Tensor, batch: Batch, *, per_head: bool) -> Tensor:
+        """RoPE on the queries ([B, H, S, rope], ``per_head``) or the shared key ([B, S, rope])."""
+        if self.interleave:
+            rot = batch.extra["rot"]  # [B, S, rope/2] complex
+            return rope_interleaved(t, rot[:, None] if per_head else rot)
+        cos, sin = batch.extra["cos"], batch.extra["sin"]  # [B, S, rope/2]
+        return rope_halves(t, cos[:, None], sin[:, None]) if per_head else rope_halves(t, cos, sin)
 
     def _down_projections(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``q_a_proj(x)`` and ``kv_a_proj_with_mqa(x)``; without autograd as one matmul with

@@ -181,9 +181,9 @@ class Indexer(nn.Module):
     def forward(self, x: Tensor, q_latent: Tensor, batch: Batch, layer: int) -> Tensor:
         """x: [B, S, hidden]; q_latent: [B, S, q_lora_rank]. Returns the DSA mask [B, S, T] bool."""
         B, S, _ = x.shape
-        cos, sin = batch.extra["cos"], batch.extra["sin"]
+        rot = batch.extra["rot"]  # [B, S, rope/2] complex
         k = self.k_norm(self.wk(x))  # [B, S, D]
-        k = torch.cat([rope_interleaved(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim :]], -1)
+        k = torch.cat([rope_interleaved(k[..., : self.rope_dim], rot), k[..., self.rope_dim :]], -1)
         k = batch.keys(k, layer, "index_k")  # [B, T, D], written to the cache even when not scored below
         T = k.shape[1]
         # A query that sees at most topk keys keeps them all: only the queries from the first
@@ -195,11 +195,11 @@ class Indexer(nn.Module):
         if crowded.numel() == 0:
             return batch.visible
         s0 = int(crowded[0, 0])
-        x, q_latent, cos, sin = x[:, s0:], q_latent[:, s0:], cos[:, s0:], sin[:, s0:]
+        x, q_latent, rot = x[:, s0:], q_latent[:, s0:], rot[:, s0:]
         S = S - s0
 
         q = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, D]
-        q_rot = rope_interleaved(q[..., : self.rope_dim], cos[:, :, None], sin[:, :, None])
+        q_rot = rope_interleaved(q[..., : self.rope_dim], rot[:, :, None])
         q = torch.cat([q_rot, q[..., self.rope_dim :]], dim=-1)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5  # [B, S, H]
 
