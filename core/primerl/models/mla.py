@@ -136,14 +136,19 @@ class MLAttention(nn.Module):
         cache rows: latent, then rope key); bias: [B, 1, T] additive mask (0 or -inf).
         Returns [B, H, 1, v].
         """
-        H = self.n_heads
-        w = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, kv_lora], [H, v, kv_lora]
+        w = self.kv_b_proj.weight
+        w_uk = derived(self, "w_uk", lambda: self._kv_b_heads()[:, : self.nope_dim].contiguous(), w)  # [H, nope, kv_lora]
+        w_uv = derived(self, "w_uv_t", lambda: self._kv_b_heads()[:, self.nope_dim :].transpose(1, 2).contiguous(),
+                       w)  # [H, kv_lora, v]
         # heads play the role of query rows, so every product is a plain bmm (no broadcast copies)
-        q_lat = torch.matmul(q_nope.squeeze(2).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, kv_lora]
+        q_lat = torch.bmm(q_nope.squeeze(2).transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, kv_lora]
         q = torch.cat([q_lat, q_rot.squeeze(2)], dim=-1)  # [B, H, kv_lora + rope], the cache row's layout
         scores = torch.baddbmm(bias, q, ckv.transpose(1, 2), alpha=self.scaling)  # [B, H, T]
         probs = torch.softmax(scores.float(), dim=-1).to(ckv.dtype)
         out_lat = torch.bmm(probs, ckv[..., : self.kv_lora_rank])  # [B, H, kv_lora]
-        out = torch.matmul(out_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, B, v]
+        out = torch.bmm(out_lat.transpose(0, 1), w_uv)  # [H, B, v]
         return out.permute(1, 0, 2).unsqueeze(2)  # [B, H, 1, v]
+
+    def _kv_b_heads(self) -> Tensor:
+        """``kv_b_proj``'s weight per head: [H, nope + v, kv_lora] (k_nope rows, then v rows)."""
+        return self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)

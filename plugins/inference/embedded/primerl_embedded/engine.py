@@ -462,11 +462,12 @@ class Engine:
             top = logp_all.topk(want_top)
         tokens_l, logps_l = tokens.tolist(), logps.tolist()
         if routed is not None:
-            routed = routed.to("cpu", self.routed_dtype)  # one conversion, then per-row views
+            # one conversion, then per-row views from one unbind (not two indexing ops a row)
+            routed = routed.to("cpu", self.routed_dtype).unbind(0)  # B x [S, L, k]
         for i, s in enumerate(seqs):
             n_new = lens[i]
             if routed is not None:
-                s.routed.append(routed[i, :n_new])
+                s.routed.append(routed[i] if n_new == width else routed[i][:n_new])
             s.cached += n_new
             s.output_ids.append(tokens_l[i])
             s.logprobs.append(logps_l[i])

@@ -195,8 +195,9 @@ class Indexer(nn.Module):
         if crowded.numel() == 0:
             return batch.visible
         s0 = int(crowded[0, 0])
-        x, q_latent, rot = x[:, s0:], q_latent[:, s0:], rot[:, s0:]
-        S = S - s0
+        if s0:
+            x, q_latent, rot = x[:, s0:], q_latent[:, s0:], rot[:, s0:]
+            S = S - s0
 
         q = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, D]
         q_rot = rope_interleaved(q[..., : self.rope_dim], rot[:, :, None])
@@ -208,7 +209,9 @@ class Indexer(nn.Module):
         chunk = max(1, (1 << 20) // (B * self.n_heads * T))
         selected = [batch.visible[:, :s0]] if s0 else []
         kt = k.float().transpose(1, 2)  # [B, D, T]
-        bias = batch.bias(batch.visible, torch.float32)[:, s0:]  # [B, S, T]: -inf where not visible
+        bias = batch.bias(batch.visible, torch.float32)  # [B, S, T]: -inf where not visible
+        if s0:
+            bias = bias[:, s0:]
         for s in range(0, S, chunk):
             e = min(s + chunk, S)
             c = e - s
