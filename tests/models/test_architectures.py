@@ -351,3 +351,25 @@ def test_dense_experts_see_weight_updates_without_autograd():
     experts.down_proj.data = torch.randn_like(experts.down_proj)  # new storage
     with torch.no_grad():
         torch.testing.assert_close(experts._dense(x, ids, weights, valid), fresh())
+
+
+def test_slot_cache_swap_exchanges_prefixes_and_recurrent_states():
+    """``SlotCache.swap(a, b, n)``: the first n positions of every per-token tensor and the
+    whole recurrent state trade places; positions from n on and other slots stay put."""
+    from primerl.models.decoder import SlotCache
+
+    layout = [{"per_token": {"ckv": (6,)}, "state": {"ssm": ((2, 3), torch.float32)}}, {"per_token": {"k": (4,)}}]
+    cache = SlotCache(layout, num_slots=4, max_len=8, dtype=torch.float32, device="cpu")
+    torch.manual_seed(0)
+    for t in cache.tensors():
+        t.copy_(torch.randn_like(t))
+    before = [t.clone() for t in cache.tensors()]
+    cache.swap(1, 3, n=5)
+    cache.swap(2, 2)  # a slot with itself: nothing moves
+    for old, new in zip(before, cache.tensors()):
+        if new.dim() == 3 and new.shape[1] == 8:  # per token [slots, max_len, D]
+            assert torch.equal(new[1, :5], old[3, :5]) and torch.equal(new[3, :5], old[1, :5])
+            assert torch.equal(new[:, 5:], old[:, 5:])
+        else:  # recurrent state [slots, ...]
+            assert torch.equal(new[1], old[3]) and torch.equal(new[3], old[1])
+        assert torch.equal(new[[0, 2]], old[[0, 2]])

