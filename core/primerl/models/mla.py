@@ -5,8 +5,8 @@ Queries go hidden -> q_lora_rank -> heads * (nope + rope) (or straight hidden ->
 (kv_lora_rank, RMS-normalised) plus one single-head rope key; the cache stores only these
 two, and ``kv_b_proj`` expands the latent to per-head k_nope and v. RoPE is "interleaved"
 (HF's ``rope_interleave=True``, what DeepSeek, Kimi and GLM ship): pairs (x0, x1),
-(x2, x3)... rotate together and come out de-interleaved (the same permutation for q and
-k, so q.k is unchanged).
+(x2, x3)... rotate together. HF then de-interleaves them; we keep them in place (queries
+and keys alike, so every q.k is the same, summed in another order), which spares a copy.
 
 Decode steps attend in the latent space (DeepSeek's "weight absorption"), prefill and
 training expand the latent. Subclasses may restrict which keys each query sees by

@@ -29,7 +29,8 @@ weighted by the bias-free scores, renormalised and multiplied by ``routed_scalin
 A shared expert always runs.
 
 Differences from HF: the embedding has no ``padding_idx`` (the pad token is also GLM's
-eos, so it keeps its gradient); padding tokens skip the routed experts; attention runs
+eos, so it keeps its gradient); padding tokens skip the routed experts; RoPE'd pairs stay
+interleaved in queries and keys alike (same dot products); attention runs
 through ``scaled_dot_product_attention`` with a boolean mask; and the DSA top-k breaks
 exact score ties in favour of the earlier key. HF's ``torch.topk`` breaks them
 arbitrarily, and its pick depends on the padded length, whereas ours is the same whether
