@@ -39,10 +39,12 @@ def hf_model(adapter, cfg, model):
 PROMPTS = ["Reverse: hello", "apple", "a much longer prompt about quiet rivers", "xyz"]
 
 
-def test_greedy_batched_output_equals_hf_generate(setup):
+@pytest.mark.parametrize("group_cost", [256, 0], ids=["one-prefill", "prefill-per-length"])
+def test_greedy_batched_output_equals_hf_generate(setup, group_cost):
     adapter, cfg, model, tok = setup
     hf = hf_model(adapter, cfg, model)
     eng = make_engine(model, tok)
+    eng.prefill_group_cost = group_cost  # 0: every prompt length is prefilled by its own forward
     seqs = [eng.submit(tok.encode(p), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
             for p in PROMPTS]
     while eng.has_work():
@@ -51,6 +53,37 @@ def test_greedy_batched_output_equals_hf_generate(setup):
         ids = torch.tensor([tok.encode(p)])
         ref = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert seq.output_ids == ref[0, ids.shape[1]:].tolist(), p
+
+
+def test_prefill_groups_split_by_length_at_least_cost():
+    """Rows sorted by length, cut into consecutive groups; the cut is the cheapest of all
+    (checked by brute force), every row lands in exactly one group."""
+    import itertools
+
+    from primerl_embedded.engine import prefill_groups
+
+    class Row:
+        def __init__(self, n, cached=0):
+            self.tokens, self.cached = [0] * n, cached
+
+    def cost(groups, c):
+        return sum(len(g) * max(len(r.tokens) - r.cached for r in g) + c for g in groups)
+
+    rows = [Row(n) for n in (9, 60, 12, 33, 61, 10)] + [Row(40, cached=30)]  # 10 uncached tokens
+    for c in (0, 20, 100, 10**6):
+        groups = prefill_groups(rows, c)
+        assert sorted(map(id, itertools.chain(*groups))) == sorted(map(id, rows))
+        flat = [len(r.tokens) - r.cached for g in groups for r in g]
+        assert flat == sorted(flat)
+        order = sorted(rows, key=lambda r: len(r.tokens) - r.cached)
+        brute = min(
+            cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))], c)
+            for k in range(len(order))
+            for cuts in itertools.combinations(range(1, len(order)), k)
+        )
+        assert cost(groups, c) == brute
+    assert len(prefill_groups(rows, 10**6)) == 1 and len(prefill_groups(rows, 0)) == 6  # 9, 10 (x2), 12, 33, 60, 61
+    assert prefill_groups([], 0) == []
 
 
 def test_logprobs_equal_a_plain_forward_pass(setup):

@@ -13,8 +13,10 @@ How it works. One thread owns the model and loops over :meth:`Engine.step`:
    on with the new weights; each later token records the new version);
 2. admit waiting sequences into free KV slots, reusing the longest cached prefix (a
    multi-turn episode's earlier turns, or the prompt of a sibling when ``n > 1``);
-3. run one forward for the decode rows (one new token each) and one for prefill rows
-   (a prompt's uncached tokens), both ragged via per-row lengths and past lengths;
+3. run one forward for the decode rows (one new token each) and one or a few for the
+   prefill rows (a prompt's uncached tokens; prompts of very different lengths are split
+   by length, which pads less: :func:`prefill_groups`), all ragged via per-row lengths
+   and past lengths;
 4. sample a token per row (temperature, top-k, top-p, per-request seed), record its
    log-probability, version and routed experts, and retire finished sequences, whose
    slots stay cached for prefix reuse until they are needed.
@@ -128,6 +130,9 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
+        # what one more forward costs, in padded token positions: prefill rows of very
+        # different lengths run as several forwards when that pads less (prefill_groups)
+        self.prefill_group_cost = 256
         self.routed_dtype = torch.uint8 if (num_experts or 0) <= 256 else torch.int16
         self.param = next(model.parameters())
         self.cache = model.new_cache(kv_slots, max_model_len)
@@ -316,8 +321,8 @@ class Engine:
             prefill = [s for s in self.running if len(s.tokens) - s.cached > 1]
             if decode:
                 self._forward(decode)
-            if prefill:
-                self._forward(prefill)
+            for group in prefill_groups(prefill, self.prefill_group_cost):
+                self._forward(group)
         self.stats.steps += 1
         self.stats.last_batch_size = len(self.running)
 
@@ -505,6 +510,34 @@ class Engine:
         return False
 
     decode: Callable[[list[int]], str] = staticmethod(lambda ids: "")  # set by the backend
+
+
+def prefill_groups(seqs: list[Sequence], group_cost: int) -> list[list[Sequence]]:
+    """Split prefill rows into forwards of similar lengths.
+
+    A forward pads every row to its longest, and on the CPU the padding costs about as
+    much as real tokens (token-wise layers run on it). Rows sorted by length are cut into
+    consecutive groups minimising sum(rows x longest) + ``group_cost`` per group (an
+    exact dynamic programme, O(n^2) over at most a batch of rows). Prompts of 8 to 64
+    tokens become two or three forwards; prompts of one length stay one.
+    """
+    if len(seqs) <= 1:
+        return [seqs] if seqs else []
+    order = sorted(seqs, key=lambda s: len(s.tokens) - s.cached)
+    lens = [len(s.tokens) - s.cached for s in order]
+    n = len(order)
+    best = [0] + [float("inf")] * n  # best[i]: cheapest split of the i shortest rows
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(i):  # last group = rows j..i-1, padded to lens[i - 1]
+            cost = best[j] + (i - j) * lens[i - 1] + group_cost
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    groups, i = [], n
+    while i:
+        groups.append(order[cut[i] : i])
+        i = cut[i]
+    return groups[::-1]
 
 
 def _take_rows(chunks: list[torch.Tensor], n: int) -> list[torch.Tensor]:
