@@ -57,7 +57,7 @@ def test_greedy_batched_output_equals_hf_generate(setup, group_cost):
 
 def test_prefill_groups_split_by_length_at_least_cost():
     """Rows sorted by length, cut into consecutive groups; the cut is the cheapest of all
-    (checked by brute force), every row lands in exactly one group."""
+    (checked by brute force), every row lands in exactly one group, in running order."""
     import itertools
 
     from primerl_embedded.engine import prefill_groups
@@ -73,8 +73,9 @@ def test_prefill_groups_split_by_length_at_least_cost():
     for c in (0, 20, 100, 10**6):
         groups = prefill_groups(rows, c)
         assert sorted(map(id, itertools.chain(*groups))) == sorted(map(id, rows))
-        flat = [len(r.tokens) - r.cached for g in groups for r in g]
-        assert flat == sorted(flat)
+        spans = [sorted(len(r.tokens) - r.cached for r in g) for g in groups]
+        assert all(a[-1] <= b[0] for a, b in zip(spans, spans[1:]))  # consecutive in length order
+        assert all([rows.index(r) for r in g] == sorted(rows.index(r) for r in g) for g in groups)  # running order
         order = sorted(rows, key=lambda r: len(r.tokens) - r.cached)
         brute = min(
             cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))], c)

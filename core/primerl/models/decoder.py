@@ -138,6 +138,7 @@ class Batch:
     causal: bool = False
     slot_range: tuple[int, int] | None = None  # slots are start..stop-1 in order: cache rows are read in place
     _biases: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    _keys_seen: Tensor | None = field(default=None, repr=False)
 
     def bias(self, mask: Tensor, dtype: torch.dtype) -> Tensor:
         """``mask`` ([B, S, T] bool) as an additive bias (0 where visible, -inf elsewhere),
@@ -147,6 +148,12 @@ class Batch:
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
             self._biases[key] = (mask, bias)  # holding the mask keeps its id from being reused
         return self._biases[key][1]
+
+    def keys_seen(self) -> Tensor:
+        """How many keys each query may attend to, [B, S] (computed once per forward)."""
+        if self._keys_seen is None:
+            self._keys_seen = self.visible.sum(-1)
+        return self._keys_seen
 
     def keys(self, new: Tensor, layer: int, name: str) -> Tensor:
         """Keys seen by the new tokens: ``new`` itself, or the cache after writing ``new`` into it.

@@ -519,10 +519,12 @@ def prefill_groups(seqs: list[Sequence], group_cost: int) -> list[list[Sequence]
     much as real tokens (token-wise layers run on it). Rows sorted by length are cut into
     consecutive groups minimising sum(rows x longest) + ``group_cost`` per group (an
     exact dynamic programme, O(n^2) over at most a batch of rows). Prompts of 8 to 64
-    tokens become two or three forwards; prompts of one length stay one.
+    tokens become two or three forwards; prompts of one length stay one. Each group keeps
+    the rows' running order, so a group of consecutive slots still reads the cache in place.
     """
     if len(seqs) <= 1:
         return [seqs] if seqs else []
+    rank = {id(s): r for r, s in enumerate(seqs)}
     order = sorted(seqs, key=lambda s: len(s.tokens) - s.cached)
     lens = [len(s.tokens) - s.cached for s in order]
     n = len(order)
@@ -535,7 +537,7 @@ def prefill_groups(seqs: list[Sequence], group_cost: int) -> list[list[Sequence]
                 best[i], cut[i] = cost, j
     groups, i = [], n
     while i:
-        groups.append(order[cut[i] : i])
+        groups.append(sorted(order[cut[i] : i], key=lambda s: rank[id(s)]))
         i = cut[i]
     return groups[::-1]
 

@@ -30,8 +30,9 @@ A shared expert always runs.
 
 Differences from HF: the embedding has no ``padding_idx`` (the pad token is also GLM's
 eos, so it keeps its gradient); padding tokens skip the routed experts; RoPE'd pairs stay
-interleaved in queries and keys alike (same dot products); attention runs
-through ``scaled_dot_product_attention`` with a boolean mask; and the DSA top-k breaks
+interleaved in queries and keys alike (same dot products); attention with a DSA
+selection adds the mask as a bias and runs eagerly, as HF's eager path does, and without
+one uses ``scaled_dot_product_attention``; and the DSA top-k breaks
 exact score ties in favour of the earlier key. HF's ``torch.topk`` breaks them
 arbitrarily, and its pick depends on the padded length, whereas ours is the same whether
 a token is scored in a packed row, a padded batch or one decode step at a time. Only
@@ -192,7 +193,7 @@ class Indexer(nn.Module):
         # prompts and completions below GLM-5's 2048) it skips most or all of the indexer.
         if T <= self.topk:
             return batch.visible
-        crowded = (batch.visible.sum(-1) > self.topk).any(0).nonzero()  # [n, 1] query columns
+        crowded = (batch.keys_seen() > self.topk).any(0).nonzero()  # [n, 1] query columns
         if crowded.numel() == 0:
             return batch.visible
         s0 = int(crowded[0, 0])
