@@ -139,29 +139,39 @@ def env_check(
     name: str = typer.Argument(..., help="Environment plugin, e.g. swe"),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Task file (sets env.tasks)."),
     oracle: bool = typer.Option(False, "--oracle", help="Score the reference solutions instead of none."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {instance_id, reward}."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {instance_id, reward, error}."),
 ) -> None:
     """Validate an environment's dataset: the reward of every task with the reference
-    solution (--oracle) or without any (exit code 1 when --oracle leaves a task below 1)."""
+    solution (--oracle) or without any. Exit code 1 when a task could not be run, or when
+    --oracle leaves a task below 1."""
+    from primerl.envs import CheckableEnv, TaskError
     from primerl.registry import get_registry
 
     cfg = _resolve(ctx, {"env.name": name, **({"env.tasks": tasks} if tasks else {})})
     env = get_registry().load("env", name)(cfg.env)
-    if not hasattr(env, "check"):
+    if not isinstance(env, CheckableEnv):
         raise PrimerlError(f"environment '{name}' has no dataset check (it defines no check() method)")
-    results = env.check(oracle=oracle)
+    try:
+        results = env.check(oracle=oracle)
+    except TaskError as exc:
+        raise PrimerlError(f"environment '{name}' cannot run its tasks: {exc.cause}") from None
+    errors = [r for r in results if r.get("reward") is None]
     if as_json:
         typer.echo(json.dumps(results, indent=2))
     else:
         table = Table(title=f"{name}: {'with' if oracle else 'without'} reference solutions")
         table.add_column("instance_id")
         table.add_column("reward", justify="right")
+        table.add_column("error", overflow="fold")
         for r in results:
-            table.add_row(r["instance_id"], f"{r['reward']:.2f}" + (f"  ({r['error']})" if r.get("error") else ""))
+            reward = "-" if r.get("reward") is None else f"{r['reward']:.2f}"
+            table.add_row(r["instance_id"], reward, r.get("error") or "")
         console.print(table)
-        mean = sum(r["reward"] for r in results) / max(len(results), 1)
-        typer.echo(f"{len(results)} tasks, mean reward {mean:.3f}")
-    if oracle and any(r["reward"] < 1 for r in results):
+        scored = [r["reward"] for r in results if r.get("reward") is not None]
+        mean = sum(scored) / max(len(scored), 1)
+        typer.echo(f"{len(results)} tasks, mean reward {mean:.3f}" +
+                   (f", {len(errors)} could not be run (see error)" if errors else ""))
+    if errors or (oracle and any(r["reward"] < 1 for r in results)):
         raise typer.Exit(1)
 
 

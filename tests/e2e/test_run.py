@@ -107,9 +107,9 @@ def test_shm_weight_channel_runs_and_cleans_up(tmp_path):
     assert (out / "weights" / "step_000002" / "shm.safetensors").is_symlink()
     log = (out / "logs" / "orchestrator.log").read_text()
     assert "inference now serves policy v" in log
-    from primerl.trainer.main import shm_dir
+    from primerl.rundir import RunDir
 
-    assert not shm_dir(out).exists()  # tmpfs is memory: removed when the run ends
+    assert not RunDir(out).shm().exists()  # tmpfs is memory: removed when the run ends
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["no-r3", "r3"])
@@ -136,12 +136,12 @@ def test_multi_turn_wordle_run_completes(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2] and rows[0]["turns/mean"] > 1
-    import torch
+    from primerl.rundir import RunDir
+    from primerl.samples import read_batch
 
-    batch = torch.load(out / "rollouts" / "step_000001.pt", weights_only=False)
-    for s in batch["samples"]:  # token-exact: env turns carry no loss, model turns do
-        assert len(s["tokens"]) == len(s["loss_mask"]) == len(s["logprobs"])
-        assert 0 < sum(s["loss_mask"]) < len(s["tokens"])
+    for s in read_batch(RunDir(out).batch(1)).samples:  # token-exact: env turns carry no loss, model turns do
+        assert len(s.tokens) == len(s.loss_mask) == len(s.logprobs)
+        assert 0 < s.sampled_tokens < len(s.tokens)
 
 
 @pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
@@ -172,10 +172,10 @@ def test_multi_turn_with_router_replay_ends_each_trajectory_on_a_model_turn(tmp_
                         "--trainer.router_replay", "--orchestrator.max_tokens", "24"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    import torch
+    from primerl.rundir import RunDir
+    from primerl.samples import read_batch
 
-    batch = torch.load(out / "rollouts" / "step_000001.pt", weights_only=False)
-    for s in batch["samples"]:
-        assert s["loss_mask"][-1] == 1 and s["turns"] == 2
-        assert s["routed_experts"].shape[0] == len(s["tokens"]) - 1
+    for s in read_batch(RunDir(out).batch(1)).samples:
+        assert s.loss_mask[-1] == 1 and s.turns == 2
+        assert s.routed_experts.shape[0] == len(s.tokens) - 1
     assert "not replaying" not in (out / "logs" / "trainer.log").read_text()

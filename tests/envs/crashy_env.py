@@ -4,7 +4,7 @@ in spawned workers, so they live in a module, not in the test file)."""
 import os
 import time
 
-from primerl.envs import Task
+from primerl.envs import Task, TaskError
 from primerl.envs.multiturn import MultiTurnEnv, Turn
 
 
@@ -19,6 +19,8 @@ class Crashy(MultiTurnEnv):
             os._exit(3)
         if completion == "raise":
             raise RuntimeError("env bug")
+        if completion == "harness":
+            raise TaskError("no python here", task_id=task.id)
         state["n"] = state.get("n", 0) + 1
         return Turn([{"role": "user", "content": f"ok {state['n']}"}], done=state["n"] >= 2)
 

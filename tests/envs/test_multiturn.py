@@ -73,7 +73,9 @@ def test_worker_processes_survive_hangs_crashes_and_errors():
     from primerl.envs.multiturn import MultiTurnConfig
 
     async def go():
-        workers = EnvWorkers("crashy_env:Crashy", MultiTurnConfig(), processes=2)
+        from crashy_env import Crashy
+
+        workers = EnvWorkers(Crashy, MultiTurnConfig(), processes=2)
         task = Task("t", "go")
         try:
             pids = {await workers.call("pid") for _ in range(4)}
@@ -91,6 +93,34 @@ def test_worker_processes_survive_hangs_crashes_and_errors():
             assert {await workers.call("pid") for _ in range(4)} != pids
         finally:
             workers.close()
+
+    asyncio.run(go())
+
+
+def test_workers_take_a_plugin_qualified_env_and_pass_task_errors_through():
+    """``--env wordle:wordle`` (PLUGIN:NAME, the registry's pick) reaches the workers as a
+    registry pick, not a module path; an env's TaskError arrives as itself, cause intact."""
+    from primerl.config import ConfigSources, load_config
+    from primerl.envs import TaskError
+    from primerl.envs.multiturn import MultiTurnConfig
+
+    cfg = load_config(ConfigSources(overrides=[]), {"env.name": "wordle:wordle"})
+    task = Task("t", "first guess?", answer="apple")
+
+    async def go():
+        from crashy_env import Crashy
+
+        wordle, crashy = EnvWorkers(cfg.env.name, cfg.env, processes=1), EnvWorkers(Crashy, MultiTurnConfig(), 1)
+        try:
+            state = await wordle.call("setup", task, timeout=60)
+            turn = await wordle.call("step", task, state, "crane", timeout=60)
+            assert turn.messages[0]["content"].startswith("crane --Y-G")
+            with pytest.raises(TaskError, match="no python here") as info:
+                await crashy.call("step", task, {}, "harness", timeout=30)
+            assert info.value.task_id == "t" and crashy.replaced == 0
+        finally:
+            wordle.close()
+            crashy.close()
 
     asyncio.run(go())
 

@@ -121,11 +121,12 @@ def test_episodes_are_token_exact_across_turns(server):
             messages = messages + [{"role": "user", "content": hint}]
         (sample,) = interleave(ep.calls)  # the extension property holds: one sample
         last = ep.calls[-1]
-        assert sample["tokens"] == last.prompt_ids + last.completion_ids
-        assert [t for t, m in zip(sample["tokens"], sample["loss_mask"]) if m] == [ord("5"), EOS] * 3
+        assert sample.tokens == last.prompt_ids + last.completion_ids
+        assert [t for t, m in zip(sample.tokens, sample.loss_mask) if m] == [ord("5"), EOS] * 3
         routed = last.routed_experts
         assert routed["dtype"] == "uint8" and routed["start"] == 0
-        assert routed["shape"][0] >= len(sample["tokens"]) - 1 and routed["shape"][1:] == [3, 2]
+        assert routed["shape"][0] >= len(sample.tokens) - 1 and routed["shape"][1:] == [3, 2]
+        assert list(sample.routed_experts.shape) == routed["shape"]
 
 
 def test_message_turns_split_where_the_tokens_stop_extending(server):
@@ -136,8 +137,8 @@ def test_message_turns_split_where_the_tokens_stop_extending(server):
     samples = interleave(ep.calls)
     assert len(ep.calls) == 3 and len(samples) == 3
     for call, sample in zip(ep.calls, samples):
-        assert sample["tokens"] == call.prompt_ids + call.completion_ids
-        assert sum(sample["loss_mask"]) == 2
+        assert sample.tokens == call.prompt_ids + call.completion_ids
+        assert sample.sampled_tokens == 2
 
 
 @pytest.mark.slow
@@ -152,10 +153,11 @@ def test_primerl_run_trains_on_a_verifiers_env(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert rows[0]["env/num_turns"] >= 1  # the verifiers rubric's metrics, averaged per episode
-    import torch
+    from primerl.rundir import RunDir
+    from primerl.samples import read_batch
 
-    batch = torch.load(out / "rollouts" / "step_000001.pt", weights_only=False)
-    assert {s["task_id"].split("/")[0] for s in batch["samples"]} == {"vf-guess-number"}
-    for s in batch["samples"]:
-        assert len(s["tokens"]) == len(s["loss_mask"]) == len(s["logprobs"]) == len(s["versions"])
-        assert s["routed_experts"] is not None and s["routed_experts"].shape[1:] == (3, 2)
+    samples = read_batch(RunDir(out).batch(1)).samples
+    assert {s.task_id.split("/")[0] for s in samples} == {"vf-guess-number"}
+    for s in samples:
+        assert len(s.tokens) == len(s.loss_mask) == len(s.logprobs) == len(s.versions)
+        assert s.routed_experts is not None and s.routed_experts.shape[1:] == (3, 2)

@@ -2,11 +2,11 @@
 
 import asyncio
 
-import torch
-
 from primerl.config import ConfigSources, load_config
 from primerl.envs import Task
 from primerl.orchestrator.main import Group, Orchestrator
+from primerl.rundir import RunDir
+from primerl.samples import Sample, read_batch
 
 
 def make_orchestrator(tmp_path, **orch):
@@ -22,8 +22,8 @@ def make_orchestrator(tmp_path, **orch):
 def group(version_span, reward=(0.0, 1.0)):
     g = Group(task=Task(id="t", prompt="abc", answer="cba"), start_version=version_span[0])
     for r in reward:
-        g.samples.append({"tokens": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0.0, -1.0, -1.0],
-                          "versions": [-1, *version_span], "reward": r, "temperature": 1.0, "routed_experts": None})
+        g.samples.append(Sample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
+                                versions=[-1, *version_span], reward=r))
     return g
 
 
@@ -36,15 +36,14 @@ def test_stale_groups_are_dropped_counted_and_replaced(tmp_path):
     for g in [group((0, 0)), group((0, 0)), group((0, 1)), group((1, 1)), group((1, 1))]:
         orch.finished.put_nowait(g)
     asyncio.run(orch.write_batches())
-    b1 = torch.load(tmp_path / "rollouts" / "step_000001.pt", weights_only=False)
-    b2 = torch.load(tmp_path / "rollouts" / "step_000002.pt", weights_only=False)
-    assert len(b1["samples"]) == 4 and b1["metrics"]["dropped_stale"] == 0
-    assert len(b2["samples"]) == 4 and b2["metrics"]["dropped_stale"] == 2
-    assert b2["metrics"]["off_policy/max"] == 0
-    assert all(s["versions"][1:] == [1, 1] for s in b2["samples"])
+    b1, b2 = (read_batch(RunDir(tmp_path).batch(n)) for n in (1, 2))
+    assert len(b1.samples) == 4 and b1.metrics["dropped_stale"] == 0
+    assert len(b2.samples) == 4 and b2.metrics["dropped_stale"] == 2
+    assert b2.metrics["off_policy/max"] == 0
+    assert all(s.versions[1:] == [1, 1] for s in b2.samples)
     assert orch.started == 9  # the dropped group's slot went back, so a fresh group replaces it
     # GRPO advantages: reward minus group mean
-    assert [s["advantage"] for s in b1["samples"][:2]] == [-0.5, 0.5]
+    assert [s.advantage for s in b1.samples[:2]] == [-0.5, 0.5]
 
 
 def test_async_level_bounds_how_far_generation_runs_ahead(tmp_path):
@@ -74,3 +73,36 @@ def test_hopeless_in_flight_groups_are_cancelled(tmp_path):
 
     asyncio.run(go())
     assert orch.started == 1
+
+
+def test_groups_failing_in_a_row_stop_the_run_with_their_cause(tmp_path):
+    from primerl.envs import TaskError
+
+    orch = make_orchestrator(tmp_path, max_failed_groups=3)
+
+    async def finish(exc):
+        async def job_body():
+            if exc is not None:
+                raise exc
+        job = asyncio.create_task(job_body())
+        orch.in_flight[job] = group((0, 0))
+        job.add_done_callback(orch._on_done)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    async def go():
+        orch.broken = asyncio.get_running_loop().create_future()
+        await finish(TaskError("pytest is not installed for /venv/bin/python"))
+        await finish(RuntimeError("inference request failed (500)"))
+        await finish(None)  # a success in between: the count starts again
+        for _ in range(2):
+            await finish(TaskError("pytest is not installed for /venv/bin/python"))
+        assert not orch.broken.done()
+        await finish(TaskError("pytest is not installed for /venv/bin/python"))
+        return await asyncio.wait_for(orch.broken, 5)
+
+    verdict = asyncio.run(go())
+    assert verdict == ("the last 3 rollout groups failed and none succeeded in between "
+                       "(3 of them: pytest is not installed for /venv/bin/python)")
+    assert orch.failures.take_metrics() == {"errors/task": 4, "errors/rollout": 1}
+    assert orch.finished.qsize() == 1

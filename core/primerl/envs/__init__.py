@@ -25,7 +25,7 @@ validated instance as ``self.config``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 
@@ -62,6 +62,31 @@ class Task:
         return msgs
 
 
+class TaskError(RuntimeError):
+    """A task that could not be run or scored: a harness failure, never a reward.
+
+    Raise it from ``setup``, a turn, ``reward`` or ``check`` when the *environment*, not the
+    model, failed: the task's interpreter or test runner is missing, its tests do not
+    collect, the sandbox cannot start, its repository is unusable. Scoring such a task 0
+    would train the policy on noise; instead the orchestrator drops the group, counts it
+    in ``errors/task`` in metrics.jsonl and logs ``cause``, and stops the run (exit code 1,
+    the cause in one line) when no task of the env can be run. ``primerl env check`` shows
+    the cause next to the task.
+    """
+
+    def __init__(self, cause: str, *, task_id: str | None = None) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.task_id = task_id
+
+    def __reduce__(self):  # crosses the env worker pipe intact
+        return (_task_error, (self.cause, self.task_id))
+
+
+def _task_error(cause: str, task_id: str | None) -> TaskError:
+    return TaskError(cause, task_id=task_id)
+
+
 class Environment:
     """Base of all environments. Subclasses implement ``tasks``; see SingleTurnEnv."""
 
@@ -74,6 +99,20 @@ class Environment:
     def tasks(self, split: str) -> Iterable[Task]:
         """The tasks of a split ('train' or 'eval')."""
         raise NotImplementedError
+
+
+@runtime_checkable
+class CheckableEnv(Protocol):
+    """An env that can validate its own dataset: ``primerl env check NAME [--oracle]``.
+
+    ``check`` returns one row per task, ``{"instance_id": str, "reward": float | None,
+    "error": str | None}``: with ``oracle`` the reward of the task's reference solution
+    (a valid task scores 1), without it the reward of doing nothing (a valid task scores
+    0). A task that cannot be run has ``reward`` None and ``error`` its cause (see
+    :class:`TaskError`).
+    """
+
+    def check(self, oracle: bool = False) -> list[dict[str, Any]]: ...
 
 
 class SingleTurnEnv(Environment):
@@ -90,4 +129,4 @@ class SingleTurnEnv(Environment):
         return r
 
 
-__all__ = ["Environment", "Message", "SingleTurnEnv", "Task"]
+__all__ = ["CheckableEnv", "Environment", "Message", "SingleTurnEnv", "Task", "TaskError"]

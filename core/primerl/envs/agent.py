@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 
 from primerl.envs import Environment, Task
+from primerl.samples import NO_VERSION, Sample, decode_routed_experts
 
 
 @attrs.frozen
@@ -83,35 +84,42 @@ class AgentEnv(Environment):
         raise NotImplementedError
 
 
-def interleave(calls: list[ModelCall]) -> list[dict[str, Any]]:
+def interleave(calls: list[ModelCall]) -> list[Sample]:
     """The training samples of one episode: runs of calls with the extension property merge.
 
-    Each sample has ``tokens``, ``loss_mask`` (1 on sampled tokens), ``logprobs`` and
-    ``versions`` (0.0 / -1 on tokens the model did not sample), ``routed_experts`` (the last
-    merged call's payload, which covers the whole sample) and ``turns``.
+    Each sample has the calls' tokens, ``loss_mask`` 1 on sampled tokens, their logprobs
+    and versions (0.0 / ``NO_VERSION`` on tokens the model did not sample), the routed
+    experts of the last merged call (whose prompt + completion covers the whole sample)
+    and ``turns``; reward and advantage are the caller's to set.
     """
-    samples: list[dict[str, Any]] = []
-    cur: dict[str, Any] | None = None
+    runs: list[list[ModelCall]] = []
+    tokens: list[int] = []
     for call in calls:
         if not call.completion_ids:
             continue  # nothing sampled (e.g. the prompt was already too long): nothing to learn
-        if cur is not None and call.prompt_ids[: len(cur["tokens"])] == cur["tokens"]:
-            bridge = call.prompt_ids[len(cur["tokens"]):]  # the env's turn, as the model saw it
+        if runs and call.prompt_ids[: len(tokens)] == tokens:
+            runs[-1].append(call)
         else:
-            if cur is not None:
-                samples.append(cur)
-            cur = {"tokens": [], "loss_mask": [], "logprobs": [], "versions": [], "turns": 0}
-            bridge = call.prompt_ids
+            runs.append([call])
+        tokens = call.prompt_ids + call.completion_ids
+    return [_merge(run) for run in runs]
+
+
+def _merge(run: list[ModelCall]) -> Sample:
+    """One sample from calls that each extend the previous one's prompt + completion."""
+    tokens: list[int] = []
+    loss_mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    for call in run:
+        bridge = call.prompt_ids[len(tokens):]  # the env's turn, as the model saw it
         n = len(call.completion_ids)
-        cur["tokens"] += bridge + call.completion_ids
-        cur["loss_mask"] += [0] * len(bridge) + [1] * n
-        cur["logprobs"] += [0.0] * len(bridge) + list(call.logprobs)
-        cur["versions"] += [-1] * len(bridge) + list(call.versions)
-        cur["routed_experts"] = call.routed_experts
-        cur["turns"] += 1
-    if cur is not None:
-        samples.append(cur)
-    return samples
+        tokens += bridge + call.completion_ids
+        loss_mask += [0] * len(bridge) + [1] * n
+        logprobs += [0.0] * len(bridge) + list(call.logprobs)
+        versions += [NO_VERSION] * len(bridge) + list(call.versions)
+    return Sample(tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, versions=versions, turns=len(run),
+                  routed_experts=decode_routed_experts(run[-1].routed_experts))
 
 
 __all__ = ["AgentEnv", "Endpoint", "Episode", "ModelCall", "interleave"]

@@ -6,7 +6,9 @@ one episode, not the run. Each worker is a process holding its own instance of t
 (built from the env's registered name and config); the orchestrator sends it one call at
 a time over a pipe. A call past its timeout gets its worker killed and replaced; a worker
 that dies mid-call is replaced too; either way the call raises :class:`EnvCallError` and
-the episode is dropped, while every other episode carries on.
+the episode is dropped, while every other episode carries on. A
+:class:`~primerl.envs.TaskError` the env raises (a harness failure) reaches the caller as
+itself, so the orchestrator can tell a broken task from a broken env call.
 """
 
 from __future__ import annotations
@@ -17,28 +19,25 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from primerl.envs import TaskError
+
 
 class EnvCallError(RuntimeError):
     """An env call that failed, timed out or lost its worker."""
 
 
-def _serve(conn: Any, env_name: str, env_config: Any) -> None:
+def _serve(conn: Any, env: str | type, env_config: Any) -> None:
     import signal
 
     # A worker ends when its pipe closes (the orchestrator closed the pool, or died), never
     # on the signals sent to the orchestrator's process group: it must get to env.close().
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if ":" in env_name:  # "module:Class", as plugins register them
-        import importlib
-
-        module, _, attr = env_name.partition(":")
-        cls = getattr(importlib.import_module(module), attr)
-    else:
+    if isinstance(env, str):  # a registry pick: "NAME" or "PLUGIN:NAME", as in --env
         from primerl.registry import get_registry
 
-        cls = get_registry().load("env", env_name)
-    env = cls(env_config)
+        env = get_registry().load("env", env)
+    env = env(env_config)
     try:
         while True:
             try:
@@ -47,6 +46,8 @@ def _serve(conn: Any, env_name: str, env_config: Any) -> None:
                 return
             try:
                 reply = ("ok", getattr(env, method)(*args))
+            except TaskError as e:  # the env's own verdict: this task cannot be run (no traceback needed)
+                reply = ("task_error", e)
             except Exception as e:  # reported to the caller, the worker stays up
                 reply = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
             try:
@@ -58,10 +59,10 @@ def _serve(conn: Any, env_name: str, env_config: Any) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx: Any, env_name: str, env_config: Any) -> None:
+    def __init__(self, ctx: Any, env: str | type, env_config: Any) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, env_name, env_config), daemon=True,
-                                name=f"primerl-env-{env_name}")
+        self.proc = ctx.Process(target=_serve, args=(child, env, env_config), daemon=True,
+                                name=f"primerl-env-{_env_label(env)}")
         self.proc.start()
         child.close()
         self.broken = False  # its pipe failed: never use it again
@@ -73,6 +74,8 @@ class _Worker:
         except (EOFError, OSError):
             self.broken = True
             raise EnvCallError(f"env worker died during {method} (exit code {self.proc.exitcode})") from None
+        if reply[0] == "task_error":
+            raise reply[1]
         if reply[0] == "error":
             raise EnvCallError(f"{method} failed: {reply[1]}\n{reply[2]}")
         return reply[1]
@@ -88,15 +91,21 @@ class _Worker:
         self.proc.join(timeout=5)
 
 
+def _env_label(env: str | type) -> str:
+    return env if isinstance(env, str) else env.__name__
+
+
 class EnvWorkers:
     """``processes`` env workers; ``await call(method, *args, timeout=s)`` runs
-    ``env.method(*args)`` in a free one. ``env_name`` is a registered env or "module:Class"."""
+    ``env.method(*args)`` in a free one. ``env`` is a registry pick as ``--env`` takes it
+    (``NAME`` or ``PLUGIN:NAME``) or an env class (importable by the workers)."""
 
-    def __init__(self, env_name: str, env_config: Any, processes: int) -> None:
-        self.env_name, self.env_config = env_name, env_config
+    def __init__(self, env: str | type, env_config: Any, processes: int) -> None:
+        self.env, self.env_config = env, env_config
+        self.env_name = _env_label(env)
         self.ctx = mp.get_context("spawn")  # no forked copy of the orchestrator's threads and sockets
         self.idle: asyncio.Queue[_Worker] = asyncio.Queue()
-        self.workers = [_Worker(self.ctx, env_name, env_config) for _ in range(processes)]
+        self.workers = [_Worker(self.ctx, env, env_config) for _ in range(processes)]
         for w in self.workers:
             self.idle.put_nowait(w)
         self.threads = ThreadPoolExecutor(max_workers=processes, thread_name_prefix="env-call")
@@ -105,7 +114,7 @@ class EnvWorkers:
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        fresh = _Worker(self.ctx, self.env_name, self.env_config)
+        fresh = _Worker(self.ctx, self.env, self.env_config)
         self.workers[self.workers.index(worker)] = fresh
         self.replaced += 1
         return fresh

@@ -25,8 +25,8 @@ which :func:`~primerl.envs.agent.interleave` turns into token-exact samples.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
-import os
 import random
 import signal
 import sys
@@ -39,12 +39,14 @@ from typing import Any
 import attrs
 
 from primerl.config import RunConfig
-from primerl.envs import Environment, Task
+from primerl.envs import Environment, Task, TaskError
 from primerl.envs.agent import AgentEnv, Endpoint, interleave
-from primerl.envs.multiturn import MultiTurnEnv, prompt_ids, turn_suffix
+from primerl.envs.multiturn import MultiTurnConfig, MultiTurnEnv, prompt_ids, turn_suffix
 from primerl.envs.workers import EnvWorkers
 from primerl.registry import get_registry
-from primerl.rundir import SHM_LINK, STABLE, step_name
+from primerl.routers import Route, Router
+from primerl.rundir import RunDir
+from primerl.samples import NO_VERSION, RolloutBatch, Sample, decode_routed_experts, write_batch
 
 
 def log(msg: str) -> None:
@@ -57,32 +59,86 @@ class Group:
 
     task: Task
     start_version: int
-    samples: list[dict[str, Any]] = attrs.Factory(list)
+    samples: list[Sample] = attrs.Factory(list)
     tokens: int = 0
     cancelled: bool = False
     env_metrics: list[dict[str, float]] = attrs.Factory(list)  # an agent env's, one dict per episode
+    session: str = attrs.Factory(lambda: f"group-{next(_GROUP_IDS)}")  # keeps the group on one server
 
     @property
     def oldest_version(self) -> int:
-        versions = [v for s in self.samples for v in s["versions"] if v >= 0]
+        versions = [v for s in self.samples if (v := s.oldest_version) is not None]
         return min(versions, default=self.start_version)
 
 
-class InferenceClient:
-    """The OpenAI-compatible API plus primerl's admin endpoints, over one or more servers."""
+_GROUP_IDS = itertools.count()
 
-    def __init__(self, urls: list[str], timeout: float = 600.0):
+
+class RunFailed(Exception):
+    """The run cannot go on: the env cannot run its tasks. The message names the cause."""
+
+
+class Failures:
+    """Failed rollout groups: counted per batch for metrics.jsonl, and the verdict that an
+    env is broken when ``limit`` groups in a row failed with nothing succeeding between."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+        self.causes: collections.Counter[str] = collections.Counter()  # of the failures in a row
+        self.task_errors = 0  # since the last batch: TaskError, the env's verdict on a task
+        self.rollout_errors = 0  # since the last batch: anything else (a crashed env call, an HTTP error)
+
+    def failed(self, exc: BaseException) -> str:
+        """Count one failed group; returns its cause in one line."""
+        if isinstance(exc, TaskError):
+            self.task_errors += 1
+            cause = exc.cause
+        else:
+            self.rollout_errors += 1
+            cause = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        self.in_a_row += 1
+        self.causes[cause] += 1
+        return cause
+
+    def succeeded(self) -> None:
+        self.in_a_row = 0
+        self.causes.clear()
+
+    @property
+    def hopeless(self) -> bool:
+        return self.in_a_row >= self.limit
+
+    def verdict(self) -> str:
+        cause, n = self.causes.most_common(1)[0]
+        return (f"the last {self.in_a_row} rollout groups failed and none succeeded in between "
+                f"({n} of them: {cause})")
+
+    def take_metrics(self) -> dict[str, int]:
+        out = {"errors/task": self.task_errors, "errors/rollout": self.rollout_errors}
+        self.task_errors = self.rollout_errors = 0
+        return out
+
+
+class InferenceClient:
+    """The OpenAI-compatible API plus primerl's admin endpoints, over one or more servers.
+
+    Requests go where the router plugin says (``inference.router``); admin calls that
+    every server must see (weight updates) go to each server directly.
+    """
+
+    def __init__(self, servers: list[str], router: Router, timeout: float = 600.0):
         import httpx
 
-        self.urls = urls
+        self.servers = servers
+        self.router = router
         self.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
-        self._rr = itertools.cycle(urls)
 
     async def wait_ready(self, deadline_s: float = 600.0) -> None:
         import httpx
 
         t0 = time.monotonic()
-        for url in self.urls:
+        for url in self.servers:
             while True:
                 try:
                     if (await self.http.get(url + "/health", timeout=2)).status_code == 200:
@@ -92,30 +148,44 @@ class InferenceClient:
                 if time.monotonic() - t0 > deadline_s:
                     raise RuntimeError(f"inference server {url} not ready after {deadline_s:.0f}s")
                 await asyncio.sleep(0.2)
+        self.router.start(self.servers)
 
-    def pick(self) -> str:
-        """A server for work that must stay on one (an agent env's group: its prefix cache)."""
-        return next(self._rr)
+    def base_url(self, session: str) -> str:
+        """Where a session's requests go when the env sends them itself (an agent env's group)."""
+        return self.router.route(Route(path="/v1", session=session))
 
-    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._post("/v1/chat/completions", body)
+    async def chat(self, body: dict[str, Any], session: str | None = None) -> dict[str, Any]:
+        return await self._post("/v1/chat/completions", body, session)
 
-    async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._post("/v1/completions", body)
+    async def completions(self, body: dict[str, Any], session: str | None = None) -> dict[str, Any]:
+        return await self._post("/v1/completions", body, session)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        r = await self.http.post(next(self._rr) + path, json=body)
-        if r.status_code != 200:
+    async def _post(self, path: str, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+        import httpx
+
+        prompt = body.get("prompt")
+        route = Route(path=path, session=session, prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
+        url = self.router.route(route)
+        t0, ok = time.monotonic(), False
+        try:
+            r = await self.http.post(url + path, json=body)
+            ok = r.status_code == 200
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"inference request to {url} failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            self.router.finished(route, url, ok=ok, seconds=time.monotonic() - t0)
+        if not ok:
             raise RuntimeError(f"inference request failed ({r.status_code}): {r.text[:500]}")
         return r.json()
 
     async def load_weights(self, path: Path, version: int) -> None:
-        for url in self.urls:
+        for url in self.servers:
             r = await self.http.post(url + "/admin/weights", json={"path": str(path), "version": version})
             if r.status_code != 200:
                 raise RuntimeError(f"{url} could not load weights {path}: {r.text[:500]}")
 
     async def close(self) -> None:
+        self.router.close()
         await self.http.aclose()
 
 
@@ -125,26 +195,27 @@ class Orchestrator:
         self.o = cfg.orchestrator
         self.env = env
         self.client = client
-        self.out = Path(cfg.output_dir)
+        self.run_dir = RunDir(cfg.output_dir)
         self.groups_per_batch = self.o.batch_size // self.o.group_size
         self.version = -1  # newest version loaded into inference (-1: none yet)
         self.started = 0  # groups started (minus those refunded after a drop)
         self.finished: asyncio.Queue[Group] = asyncio.Queue()
         self.in_flight: dict[asyncio.Task, Group] = {}
-        self.next_batch = 1
         self.tokens_since_batch = 0
         self.version_changed = asyncio.Event()
+        self.failures = Failures(self.o.max_failed_groups)
+        self.broken: asyncio.Future[str] | None = None  # set with the cause when the env cannot run its tasks
         self.tasks = self._task_stream()
         # rewards may call slow verifiers; one thread per in-flight sample keeps them overlapped
         self.scorer = ThreadPoolExecutor(max_workers=max(self.o.max_concurrent, self.o.group_size),
                                          thread_name_prefix="score")
-        # multi-turn envs run in worker processes and need the tokenizer to append env turns
         # the engine's routed experts travel with each sample for R3 and the routing metrics
         self.want_routed = cfg.trainer.router_replay or cfg.trainer.routing_metrics
         self.workers: EnvWorkers | None = None
         self.closing = False
         self.tokenizer: Any = None
         if isinstance(env, MultiTurnEnv):
+            # multi-turn envs run in worker processes; appending env turns needs the tokenizer
             self.workers = EnvWorkers(cfg.env.name, cfg.env, self.o.env_workers)
             self.tokenizer = get_registry().load("model", cfg.model.name)().tokenizer(cfg.model)
         elif isinstance(env, AgentEnv):
@@ -161,25 +232,14 @@ class Orchestrator:
 
     # ---- weights ------------------------------------------------------------------------
     async def watch_weights(self) -> None:
-        weights = self.out / "weights"
         while True:
-            newest = self._newest_published(weights)
+            newest = self.run_dir.newest_published()
             if newest is not None and newest > self.version:
-                path = weights / step_name(newest)
-                if (path / SHM_LINK).exists():  # the trainer's co-located channel
-                    path = path / SHM_LINK
-                await self.client.load_weights(path, newest)
+                await self.client.load_weights(self.run_dir.weights_source(newest), newest)
                 self.version = newest
                 self.version_changed.set()
                 log(f"inference now serves policy v{newest}")
             await asyncio.sleep(0.05)
-
-    @staticmethod
-    def _newest_published(weights: Path) -> int | None:
-        if not weights.is_dir():
-            return None
-        steps = [int(p.parent.name.split("_")[1]) for p in weights.glob(f"step_*/{STABLE}")]
-        return max(steps, default=None)
 
     # ---- rollouts -------------------------------------------------------------------------
     def may_start(self) -> bool:
@@ -207,11 +267,17 @@ class Orchestrator:
         group = self.in_flight.pop(job)
         if job.cancelled():
             return
-        if job.exception() is not None:
-            log(f"rollout of task {group.task.id} failed: {job.exception()!r}; starting another")
-            self.started -= 1
+        exc = job.exception()
+        if exc is None:
+            self.failures.succeeded()
+            self.finished.put_nowait(group)
             return
-        self.finished.put_nowait(group)
+        self.started -= 1  # a fresh group takes its place
+        cause = self.failures.failed(exc)
+        if self.failures.causes[cause] <= 3 or self.failures.in_a_row % 50 == 0:  # not one line per failure
+            log(f"rollout of task {group.task.id} failed: {cause}; starting another")
+        if self.failures.hopeless and self.broken is not None and not self.broken.done():
+            self.broken.set_result(self.failures.verdict())
 
     async def rollout(self, group: Group) -> None:
         if isinstance(self.env, AgentEnv):
@@ -227,8 +293,8 @@ class Orchestrator:
             "n": o.group_size, "max_tokens": o.max_tokens, "temperature": o.temperature, "top_p": o.top_p,
             "logprobs": True, "return_routed_experts": self.want_routed,
         }
-        resp = await self.client.chat(body)
-        prompt_ids = resp["prompt_token_ids"]
+        resp = await self.client.chat(body, session=group.session)
+        prompt = resp["prompt_token_ids"]
         loop = asyncio.get_running_loop()
         rewards = await asyncio.gather(*(  # score the group's samples concurrently
             loop.run_in_executor(self.scorer, self.env.score, group.task, c["message"]["content"] or "")
@@ -236,67 +302,66 @@ class Orchestrator:
         ))
         for choice, reward in zip(resp["choices"], rewards):
             ids = choice["token_ids"]
-            logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-            n_prompt = len(prompt_ids)
-            group.samples.append({
-                "tokens": prompt_ids + ids,
-                "loss_mask": [0] * n_prompt + [1] * len(ids),
-                "logprobs": [0.0] * n_prompt + logprobs,
-                "versions": [-1] * n_prompt + choice["policy_versions"],
-                "reward": reward,
-                "temperature": o.temperature,
-                "routed_experts": _decode_routed(choice.get("routed_experts")),
-                "task_id": group.task.id,
-            })
+            n_prompt = len(prompt)
+            group.samples.append(Sample(
+                tokens=prompt + ids,
+                loss_mask=[0] * n_prompt + [1] * len(ids),
+                logprobs=[0.0] * n_prompt + [c["logprob"] for c in choice["logprobs"]["content"]],
+                versions=[NO_VERSION] * n_prompt + choice["policy_versions"],
+                reward=reward,
+                temperature=o.temperature,
+                routed_experts=decode_routed_experts(choice.get("routed_experts")),
+                task_id=group.task.id,
+            ))
             group.tokens += len(ids)
         self.tokens_since_batch += group.tokens
 
     async def multi_turn_rollout(self, group: Group) -> None:
         """``group_size`` independent episodes of one task; any failed episode fails the group."""
-        timeout = getattr(self.cfg.env, "episode_timeout_s", None)
-        episodes = await asyncio.gather(*(asyncio.wait_for(self.episode(group.task), timeout)
-                                          for _ in range(self.o.group_size)))
+        timeout = self.cfg.env.episode_timeout_s if isinstance(self.cfg.env, MultiTurnConfig) else None
+        episodes = await asyncio.gather(*(asyncio.wait_for(self.episode(group.task, f"{group.session}-{i}"), timeout)
+                                          for i in range(self.o.group_size)))
         for sample in episodes:
             group.samples.append(sample)
-            group.tokens += sum(sample["loss_mask"])
+            group.tokens += sample.sampled_tokens
         self.tokens_since_batch += group.tokens
 
     async def agent_rollout(self, group: Group) -> None:
         """The env runs the group in a worker; every episode's calls become samples."""
         o = self.o
         endpoint = Endpoint(
-            base_url=self.client.pick() + "/v1", model=self.cfg.model.name, max_tokens=o.max_tokens,
+            base_url=self.client.base_url(group.session) + "/v1", model=self.cfg.model.name, max_tokens=o.max_tokens,
             temperature=o.temperature, top_p=o.top_p, max_model_len=self.cfg.inference.max_model_len,
             return_routed_experts=self.want_routed)
-        timeout = getattr(self.cfg.env, "episode_timeout_s", None)
+        timeout = getattr(self.cfg.env, "episode_timeout_s", None)  # an agent env's Config may have none
         episodes = await self.workers.call("run_group", group.task, endpoint, o.group_size, timeout=timeout)
         for i, ep in enumerate(episodes):
             if ep.error:
                 log(f"episode of task {group.task.id} ended early: {ep.error}")
             group.env_metrics.append(ep.metrics)
             for sample in interleave(ep.calls):
-                sample.update(reward=float(ep.reward), temperature=o.temperature, task_id=group.task.id, episode=i,
-                              routed_experts=_decode_routed(sample["routed_experts"]))
+                sample.reward, sample.temperature = float(ep.reward), o.temperature
+                sample.task_id, sample.episode = group.task.id, i
                 group.samples.append(sample)
-                group.tokens += sum(sample["loss_mask"])
+                group.tokens += sample.sampled_tokens
         if not group.samples:
             raise RuntimeError(f"no episode of task {group.task.id} sampled a token")
         self.tokens_since_batch += group.tokens
 
-    async def episode(self, task: Task) -> dict[str, Any]:
+    async def episode(self, task: Task, session: str) -> Sample:
         """One token-exact multi-turn episode: model turns via /v1/completions on the
         growing token sequence, env turns from the env workers, appended as tokens."""
         o, env, tok = self.o, self.env, self.tokenizer
-        turn_timeout = getattr(self.cfg.env, "turn_timeout_s", None)
-        max_turns = getattr(self.cfg.env, "max_turns", 8)
+        env_cfg: MultiTurnConfig = self.cfg.env
+        turn_timeout = env_cfg.turn_timeout_s
         max_len = self.cfg.inference.max_model_len
         state = await self.workers.call("setup", task, timeout=turn_timeout)
         try:
             messages = task.messages(env.system())
             ids = prompt_ids(tok, messages)
-            mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+            mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [NO_VERSION] * len(ids)
             routed, end = None, len(ids)
-            for _ in range(max_turns):
+            for _ in range(env_cfg.max_turns):
                 budget = min(o.max_tokens, max_len - len(ids) - 1)
                 if budget <= 0:
                     break
@@ -304,7 +369,7 @@ class Orchestrator:
                     "model": self.cfg.model.name, "prompt": ids, "max_tokens": budget,
                     "temperature": o.temperature, "top_p": o.top_p, "logprobs": 0,
                     "return_routed_experts": self.want_routed,
-                })
+                }, session=session)
                 choice = resp["choices"][0]
                 out = choice["token_ids"]
                 ids, mask = ids + out, mask + [1] * len(out)
@@ -323,7 +388,7 @@ class Orchestrator:
                 if len(ids) + len(delta) >= max_len:
                     break  # no room for another model turn
                 ids, mask = ids + delta, mask + [0] * len(delta)
-                logprobs, versions = logprobs + [0.0] * len(delta), versions + [-1] * len(delta)
+                logprobs, versions = logprobs + [0.0] * len(delta), versions + [NO_VERSION] * len(delta)
             reward = await self.workers.call("score", task, state, timeout=turn_timeout)
         finally:
             try:
@@ -331,10 +396,9 @@ class Orchestrator:
                     await self.workers.call("cleanup", task, state, timeout=turn_timeout)
             except Exception as e:  # noqa: BLE001 - cleanup failing must not lose the episode
                 log(f"cleanup of task {task.id} failed: {e}")
-        ids, mask, logprobs, versions = ids[:end], mask[:end], logprobs[:end], versions[:end]
-        return {"tokens": ids, "loss_mask": mask, "logprobs": logprobs, "versions": versions, "reward": reward,
-                "temperature": o.temperature, "routed_experts": _decode_routed(routed), "task_id": task.id,
-                "turns": sum(1 for m in messages if m["role"] == "assistant")}
+        return Sample(tokens=ids[:end], loss_mask=mask[:end], logprobs=logprobs[:end], versions=versions[:end],
+                      reward=reward, temperature=o.temperature, routed_experts=decode_routed_experts(routed),
+                      task_id=task.id, turns=sum(1 for m in messages if m["role"] == "assistant"))
 
     # ---- batches --------------------------------------------------------------------------
     async def write_batches(self) -> None:
@@ -353,15 +417,16 @@ class Orchestrator:
                     continue
                 groups.append(group)
             self.cancel_hopeless(n + 1)
-            samples = []
+            samples: list[Sample] = []
             for g in groups:
                 # one advantage per episode (an agent env's episode may train as several samples)
-                episodes = {s.get("episode", i): s["reward"] for i, s in enumerate(g.samples)}
+                episodes = {s.episode if s.episode is not None else i: s.reward for i, s in enumerate(g.samples)}
                 advantage = dict(zip(episodes, compute_advantages(list(episodes.values()), self.o.advantage)))
                 for i, s in enumerate(g.samples):
-                    samples.append({**s, "advantage": float(advantage[s.get("episode", i)])})
+                    s.advantage = float(advantage[s.episode if s.episode is not None else i])
+                    samples.append(s)
             now = time.monotonic()
-            rewards = [s["reward"] for s in samples]
+            rewards = [s.reward for s in samples]
             staleness = [(n - 1) - g.oldest_version for g in groups]
             metrics = {
                 "step": n,
@@ -371,23 +436,24 @@ class Orchestrator:
                 "off_policy/max": max(staleness),
                 "off_policy/mean": sum(staleness) / len(staleness),
                 "dropped_stale": dropped,
+                **self.failures.take_metrics(),
                 "inference/policy_version": self.version,
                 "throughput/tokens_per_s": self.tokens_since_batch / max(now - last, 1e-9),
                 "orchestrator/batch_seconds": now - last,
-                "seq_len/mean": sum(len(s["tokens"]) for s in samples) / len(samples),
-                "completion_len/mean": sum(sum(s["loss_mask"]) for s in samples) / len(samples),
+                "seq_len/mean": sum(len(s.tokens) for s in samples) / len(samples),
+                "completion_len/mean": sum(s.sampled_tokens for s in samples) / len(samples),
             }
-            if "turns" in samples[0]:
-                metrics["turns/mean"] = sum(s["turns"] for s in samples) / len(samples)
+            turns = [s.turns for s in samples if s.turns is not None]
+            if turns:
+                metrics["turns/mean"] = sum(turns) / len(turns)
             env_metrics = [m for g in groups for m in g.env_metrics]
             for key in sorted({k for m in env_metrics for k in m}):  # an agent env's own metrics, per episode
                 values = [m[key] for m in env_metrics if key in m]
                 metrics[f"env/{key}"] = sum(values) / len(values)
             self.tokens_since_batch = 0
             last = now
-            self.next_batch = n + 1
-            await asyncio.to_thread(write_batch, self.out / "rollouts" / f"{step_name(n)}.pt",
-                                    {"step": n, "samples": samples, "metrics": metrics})
+            await asyncio.to_thread(write_batch, self.run_dir.batch(n),
+                                    RolloutBatch(step=n, samples=samples, metrics=metrics))
             log(f"batch {n}: reward {metrics['reward/mean']:.3f}, staleness max {metrics['off_policy/max']}, "
                 f"dropped {dropped}, inference v{self.version}")
 
@@ -401,44 +467,24 @@ class Orchestrator:
 
     async def run(self) -> None:
         await self.client.wait_ready()
+        self.broken = asyncio.get_running_loop().create_future()
         jobs = [asyncio.create_task(self.watch_weights()), asyncio.create_task(self.start_groups())]
+        writer = asyncio.create_task(self.write_batches())
         try:
-            await self.write_batches()
+            await asyncio.wait([writer, self.broken], return_when=asyncio.FIRST_COMPLETED)
+            if not writer.done():
+                raise RunFailed(self.broken.result())
+            writer.result()
         finally:
             self.closing = True
             if self.workers is not None:
                 self.workers.closing = True
-            for job in [*jobs, *self.in_flight]:
+            for job in [*jobs, writer, *self.in_flight]:
                 job.cancel()
-            await asyncio.gather(*jobs, *self.in_flight, return_exceptions=True)
+            await asyncio.gather(*jobs, writer, *self.in_flight, return_exceptions=True)
             self.scorer.shutdown(wait=False, cancel_futures=True)
             if self.workers is not None:
                 self.workers.close()
-
-
-def write_batch(path: Path, batch: dict[str, Any]) -> None:
-    import torch
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(batch, tmp)
-    os.replace(tmp, path)
-
-
-def _decode_routed(obj: dict[str, Any] | None):
-    if not obj:
-        return None
-    import base64
-
-    import numpy as np
-    import torch
-
-    if obj.get("start", 0) != 0:
-        raise ValueError(f"routed experts that start at token {obj['start']} cannot be aligned with the sample")
-    data = obj["data"]  # base64 text, or its raw bytes (verifiers' sidecar hands a memoryview)
-    arr = np.frombuffer(base64.b64decode(bytes(data) if not isinstance(data, str) else data),
-                        dtype=obj["dtype"]).reshape(obj["shape"])
-    return torch.from_numpy(arr.copy())
 
 
 def inference_urls(cfg: RunConfig) -> list[str]:
@@ -446,9 +492,9 @@ def inference_urls(cfg: RunConfig) -> list[str]:
 
 
 def main(cfg: RunConfig) -> None:
-    env_cls = get_registry().load("env", cfg.env.name)
-    env = env_cls(cfg.env)
-    client = InferenceClient(inference_urls(cfg))
+    registry = get_registry()
+    env = registry.load("env", cfg.env.name)(cfg.env)
+    client = InferenceClient(inference_urls(cfg), registry.load("router", cfg.inference.router)())
 
     async def go() -> None:
         try:
@@ -460,6 +506,10 @@ def main(cfg: RunConfig) -> None:
         raise SystemExit(128 + signum)  # unwinds run(): env workers are closed, scratch state released
 
     signal.signal(signal.SIGTERM, on_term)
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    except RunFailed as exc:
+        log(f"error: stopping the run: {exc}")
+        sys.exit(1)
     log(f"wrote {cfg.max_steps} batches; done")
     sys.stdout.flush()

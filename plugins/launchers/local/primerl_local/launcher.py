@@ -29,6 +29,7 @@ from pathlib import Path
 
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
+from primerl.rundir import RunDir
 
 CHILDREN = ("inference", "orchestrator", "trainer")
 GRACE_SECONDS = 10.0
@@ -66,22 +67,22 @@ class LocalLauncher:
     """Runs a whole RL job on this machine."""
 
     def launch(self, cfg: RunConfig) -> int:
-        out = Path(cfg.output_dir).resolve()
-        done = [int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
+        run_dir = RunDir(Path(cfg.output_dir).resolve())
+        out = run_dir.root
+        done = run_dir.checkpoint_steps()
         if done and max(done) >= cfg.max_steps:
             raise PrimerlError(
                 f"{out} already holds a finished run ({max(done)} steps, max_steps is {cfg.max_steps}); "
                 f"nothing is overwritten. Use another --output-dir, delete that one, or raise --max-steps "
                 f"to continue training from its last checkpoint."
             )
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "logs").mkdir(exist_ok=True)
-        if (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists():
-            (out / "metrics.jsonl").rename(out / f"metrics.{int(time.time())}.jsonl")  # keep the old run's
+        run_dir.logs.mkdir(parents=True, exist_ok=True)
+        if run_dir.metrics.exists() and not done:  # keep an earlier run's metrics beside the new ones
+            run_dir.metrics.rename(run_dir.metrics.with_name(f"metrics.{int(time.time())}.jsonl"))
         if cfg.inference.port == 0 or not _port_free(cfg.inference.host, cfg.inference.port):
             cfg.inference.port = _free_port(cfg.inference.host)
         cfg.output_dir = str(out)
-        (out / "config.toml").write_text(dump_toml(to_dict(cfg)))
+        run_dir.config.write_text(dump_toml(to_dict(cfg)))
 
         procs: dict[str, subprocess.Popen] = {}
         threads = os.environ.get("PRIMERL_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
@@ -93,12 +94,12 @@ class LocalLauncher:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         from primerl_local.view import LiveView
 
-        view = LiveView(cfg, out)
+        view = LiveView(cfg, run_dir)
         try:
             for name in CHILDREN:
-                log = open(out / "logs" / f"{name}.log", "w")
+                log = open(run_dir.log(name), "w")
                 procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "primerl.cli", name, "@", str(out / "config.toml")],
+                    [sys.executable, "-m", "primerl.cli", name, "@", str(run_dir.config)],
                     stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent, cwd=os.getcwd(),
                 )
             with view:
@@ -113,8 +114,8 @@ class LocalLauncher:
                         view.stop()
                         self._stop_all(procs)
                         print(f"\nerror: the {name} process exited with code {rc}; stopped the others.", file=sys.stderr)
-                        print(_tail(out / "logs" / f"{name}.log"), file=sys.stderr)
-                        print(f"Full log: {out / 'logs' / f'{name}.log'}", file=sys.stderr)
+                        print(_tail(run_dir.log(name)), file=sys.stderr)
+                        print(f"Full log: {run_dir.log(name)}", file=sys.stderr)
                         return 1
                     time.sleep(0.5)
             view.refresh()
@@ -128,7 +129,7 @@ class LocalLauncher:
             self._stop_all(procs)
             for s, h in old.items():
                 signal.signal(s, h)
-        self._summary(cfg, out)
+        self._summary(run_dir)
         return 0
 
     @staticmethod
@@ -153,24 +154,24 @@ class LocalLauncher:
                     pass
                 p.wait()
 
-    def _summary(self, cfg: RunConfig, out: Path) -> None:
+    def _summary(self, run_dir: RunDir) -> None:
         from primerl_local.view import plot_rewards, read_metrics
 
-        rows = read_metrics(out / "metrics.jsonl")
-        png = plot_rewards(rows, out / "reward.png") if rows else None
+        rows = read_metrics(run_dir.metrics)
+        png = plot_rewards(rows, run_dir.reward_plot) if rows else None
         print()
         if rows:
             first = [r["reward/mean"] for r in rows[:10]]
             last = [r["reward/mean"] for r in rows[-10:]]
             print(f"reward: first 10 steps {sum(first) / len(first):.3f} -> last 10 steps {sum(last) / len(last):.3f}")
-        print(f"run directory:  {out}")
-        print(f"  metrics:      {out / 'metrics.jsonl'}")
+        print(f"run directory:  {run_dir.root}")
+        print(f"  metrics:      {run_dir.metrics}")
         if png:
             print(f"  reward curve: {png}")
-        print(f"  weights:      {out / 'weights'}")
-        print(f"  checkpoints:  {out / 'checkpoints'}")
-        print(f"  rollouts:     {out / 'rollouts'}")
-        print(f"  logs:         {out / 'logs'}")
+        print(f"  weights:      {run_dir.weights}")
+        print(f"  checkpoints:  {run_dir.checkpoints}")
+        print(f"  rollouts:     {run_dir.rollouts}")
+        print(f"  logs:         {run_dir.logs}")
 
 
 def _tail(path: Path, lines: int = 25) -> str:

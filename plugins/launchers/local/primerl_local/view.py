@@ -12,6 +12,7 @@ from rich.live import Live
 from rich.table import Table
 
 from primerl.config import RunConfig
+from primerl.rundir import RunDir
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -31,8 +32,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 class LiveView:
     """A table of the latest step, refreshed from metrics.jsonl; plain lines when not a TTY."""
 
-    def __init__(self, cfg: RunConfig, out: Path):
-        self.cfg, self.out = cfg, out
+    def __init__(self, cfg: RunConfig, run_dir: RunDir):
+        self.cfg, self.run_dir = cfg, run_dir
         self.console = Console()
         self.live = Live(console=self.console, refresh_per_second=2, transient=False) if self.console.is_terminal else None
         self.t0 = time.monotonic()
@@ -42,7 +43,7 @@ class LiveView:
         if self.live:
             self.live.start()
         self.console.print(f"primerl run: model {self.cfg.model.name}, env {self.cfg.env.name}, "
-                           f"{self.cfg.max_steps} steps -> {self.out}")
+                           f"{self.cfg.max_steps} steps -> {self.run_dir.root}")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -53,7 +54,7 @@ class LiveView:
             self.live.stop()
 
     def refresh(self) -> None:
-        rows = read_metrics(self.out / "metrics.jsonl")
+        rows = read_metrics(self.run_dir.metrics)
         if self.live:
             self.live.update(self._table(rows))
         else:
@@ -71,21 +72,26 @@ class LiveView:
     def _line(self, r: dict[str, Any]) -> str:
         return (f"step {r['step']:>4}/{self.cfg.max_steps}  reward {r.get('reward/mean', 0):.3f}  "
                 f"tok/s {r.get('throughput/tokens_per_s', 0):.0f}  staleness {r.get('off_policy/max', 0)}  "
-                f"dropped {r.get('dropped_stale', 0)}  mismatch_kl {r.get('mismatch_kl', 0):.2e}  "
+                f"dropped {r.get('dropped_stale', 0)}  failed {_failed(r)}  mismatch_kl {r.get('mismatch_kl', 0):.2e}  "
                 f"step {r.get('time/step', 0):.2f}s")
 
     def _table(self, rows: list[dict[str, Any]]) -> Table:
         t = Table(title=f"primerl: {self.cfg.model.name} on {self.cfg.env.name}  ({time.monotonic() - self.t0:.0f}s)")
-        for col in ("step", "reward", "tokens/s", "staleness", "dropped", "mismatch KL", "step time", "ETA"):
+        for col in ("step", "reward", "tokens/s", "staleness", "dropped", "failed", "mismatch KL", "step time", "ETA"):
             t.add_column(col, justify="right")
         for r in rows[-8:]:
             t.add_row(f"{r['step']}/{self.cfg.max_steps}", f"{r.get('reward/mean', 0):.3f}",
                       f"{r.get('throughput/tokens_per_s', 0):.0f}", str(r.get("off_policy/max", 0)),
-                      str(r.get("dropped_stale", 0)), f"{r.get('mismatch_kl', 0):.2e}",
+                      str(r.get("dropped_stale", 0)), str(_failed(r)), f"{r.get('mismatch_kl', 0):.2e}",
                       f"{r.get('time/step', 0):.2f}s", self._eta(rows))
         if not rows:
-            t.add_row("starting", "", "", "", "", "", "", "")
+            t.add_row("starting", "", "", "", "", "", "", "", "")
         return t
+
+
+def _failed(r: dict[str, Any]) -> int:
+    """Rollout groups that failed since the previous step (harness errors and crashed calls)."""
+    return int(r.get("errors/task", 0)) + int(r.get("errors/rollout", 0))
 
 
 def plot_rewards(rows: list[dict[str, Any]], path: Path) -> Path:

@@ -1,0 +1,1 @@
+"""The ``round-robin`` router plugin (see :mod:`primerl_round_robin.router`)."""
