@@ -143,11 +143,6 @@ def adopt(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return copied
 
 
-def load_into(model: torch.nn.Module, path: str | Path, strict: bool = True) -> int:
-    """Copy a checkpoint into ``model``'s parameters in place. Returns bytes copied."""
-    return apply(stage(model, path, strict))
-
-
 def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """Write one safetensors file atomically (write to a temp name, then rename)."""
     from safetensors.torch import save_file

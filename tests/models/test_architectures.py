@@ -68,7 +68,7 @@ def test_logits_match_transformers(arch):
 def test_packed_rows_match_separate_forwards(arch, unpack, monkeypatch):
     """Two packed rows (the second right-padded); attention either runs one sequence per
     row (the trainer's layout) or on the masked packed rows: both equal separate forwards."""
-    from primerl.models.decoder import make_batch
+    from primerl.models.batch import make_batch
 
     _, _, model = arch
     monkeypatch.setattr(model, "unpack_segments", unpack)
@@ -356,7 +356,7 @@ def test_dense_experts_see_weight_updates_without_autograd():
 def test_slot_cache_swap_exchanges_prefixes_and_recurrent_states():
     """``SlotCache.swap(a, b, n)``: the first n positions of every per-token tensor and the
     whole recurrent state trade places; positions from n on and other slots stay put."""
-    from primerl.models.decoder import SlotCache
+    from primerl.models.batch import SlotCache
 
     layout = [{"per_token": {"ckv": (6,)}, "state": {"ssm": ((2, 3), torch.float32)}}, {"per_token": {"k": (4,)}}]
     cache = SlotCache(layout, num_slots=4, max_len=8, dtype=torch.float32, device="cpu")

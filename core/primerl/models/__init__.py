@@ -48,9 +48,9 @@ class ModelConfig:
 
 
 class ModelAdapter:
-    """Base class of model adapters. Subclasses set ``name``, ``presets`` and implement the hooks.
+    """Base class of model adapters: everything the core asks of a model plugin.
 
-    Methods a subclass implements:
+    Subclasses set ``name``, ``presets`` and ``Config`` and implement:
 
     * ``hf_config(preset) -> dict``: the HF-style ``config.json`` of a preset.
     * ``build(config, *, device="cpu") -> torch.nn.Module``: our torch implementation with
@@ -58,6 +58,14 @@ class ModelAdapter:
       or weights from ``config.checkpoint``).
     * ``tokenizer(config)``: a ``transformers.PreTrainedTokenizerFast`` (built locally for
       presets, read from the checkpoint directory otherwise).
+    * ``save_checkpoint(model, directory, tokenizer=None)``: write an HF checkpoint (the
+      trainer publishes every policy version this way).
+    * ``load_checkpoint(model, directory)``: overwrite ``model``'s weights in place from an
+      HF checkpoint (resume, and weight updates in inference).
+    * ``moe_layout(config) -> dict``: ``{"moe_layers": [...], "num_experts": E, "top_k": k}``,
+      which layers route tokens among how many experts (empty for a dense model: the default).
+
+    :class:`HFModelAdapter` implements all of them for HF-compatible architectures.
     """
 
     name: ClassVar[str] = ""
@@ -72,6 +80,16 @@ class ModelAdapter:
 
     def tokenizer(self, config: ModelConfig) -> Any:
         raise NotImplementedError
+
+    def save_checkpoint(self, model: torch.nn.Module, directory: Any, tokenizer: Any = None) -> Any:
+        raise NotImplementedError
+
+    def load_checkpoint(self, model: torch.nn.Module, directory: Any) -> None:
+        raise NotImplementedError
+
+    def moe_layout(self, config: ModelConfig) -> dict[str, Any]:
+        """A dense model routes nothing."""
+        return {"moe_layers": [], "num_experts": 0, "top_k": 0}
 
 
 class HFModelAdapter(ModelAdapter):
@@ -130,10 +148,9 @@ class HFModelAdapter(ModelAdapter):
     # -- model -----------------------------------------------------------------------
 
     def _classes(self) -> Any:
-        import importlib
+        from primerl.registry import load_target
 
-        module, _, attr = self.model_class.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return load_target(self.model_class)
 
     def build(self, config: ModelConfig, *, device: str = "cpu") -> torch.nn.Module:
         """Our model, from ``config.checkpoint`` or randomly initialised from ``config.seed``."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from primerl.models.decoder import Batch
+from primerl.models.batch import Batch
 from primerl.models.layers import RMSNorm, rope_halves
 
 

@@ -14,7 +14,7 @@ What RL needs that HF's torch path lacks:
 * packed rows: at the first token of a segment the state and the conv window restart
   (``segment_ids``), so packed sequences never see each other;
 * ragged continuous batching: each slot keeps its conv window and SSM state in the
-  :class:`~primerl.models.decoder.SlotCache` ("state" entries); a row whose past length
+  :class:`~primerl.models.batch.SlotCache` ("state" entries); a row whose past length
   is 0 starts from zeros, and the state written back is the one after the row's last
   *valid* token (right padding never leaks into it).
 
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from primerl.models.decoder import Batch
+from primerl.models.batch import Batch
 
 
 class GatedRMSNorm(nn.Module):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from primerl.models.decoder import Batch
+from primerl.models.batch import Batch
 from primerl.models.layers import RMSNorm, derived, rope_halves, rope_interleaved
 
 

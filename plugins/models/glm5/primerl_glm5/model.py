@@ -46,7 +46,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
-from primerl.models.decoder import Batch, DecoderLM, PreNormLayer
+from primerl.models.batch import Batch
+from primerl.models.decoder import DecoderLM, PreNormLayer
 from primerl.models.layers import (
     FP32_SUFFIXES,
     MLP,

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from primerl.models.attention import GQAttention, gqa_cache_layout
-from primerl.models.decoder import Batch, DecoderLM, mix
+from primerl.models.batch import Batch, mix
+from primerl.models.decoder import DecoderLM
 from primerl.models.layers import (
     FP32_SUFFIXES,
     MLP,

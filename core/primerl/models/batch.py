@@ -1,0 +1,272 @@
+"""The batch every layer of a primerl model sees, and the slot cache it addresses.
+
+:func:`make_batch` turns one forward's ragged inputs (right-padded rows, optional packed
+``segment_ids``, optional :class:`SlotCache` addressing) into a :class:`Batch`: key
+visibility, cache write positions and per-batch tensors (``extra``, RoPE angles) that all
+layers share. Packed rows may be laid out one sequence per row for attention
+(:class:`Segments`); :func:`mix` runs a sequence mixer in that layout.
+
+Sequence mixers (:mod:`primerl.models.attention`, :mod:`~primerl.models.mla`,
+:mod:`~primerl.models.mamba2`) and :mod:`primerl.models.decoder` import this module; it
+imports none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# ---------------------------------------------------------------------------------------
+# Slot cache
+# ---------------------------------------------------------------------------------------
+
+
+class SlotCache:
+    """Preallocated per-layer cache for continuous batching; a slot is one sequence.
+
+    ``layout[l]`` names layer l's tensors and their trailing shapes:
+
+    * ``"per_token"``: ``{name: shape}``, stored ``[num_slots, max_len, *shape]`` (keys,
+      values, latents). A row's new tokens are written at positions
+      ``past_lens[b] .. past_lens[b] + lengths[b] - 1`` of slot ``slots[b]``.
+    * ``"state"``: ``{name: (shape, dtype)}``, stored ``[num_slots, *shape]``: a recurrent
+      layer's state after the slot's last token (Mamba's conv window and SSM state).
+
+    The caller owns which slot is free and how long each one is. A batch whose slots are
+    consecutive (passed as a ``range``) reads the cache in place; any other batch gathers
+    its rows, so an engine keeps its running sequences in the first slots (:meth:`swap`).
+    Tensors start at zero,
+    so never-written positions are finite (they are always masked out). Recurrent state
+    exists only at a slot's current length, so caches with states cannot copy a prefix
+    (``supports_prefix_reuse`` is False and the engine does not try); a recurrent layer
+    treats a slot whose past length is 0 as holding the zero state, so slots need no reset.
+    """
+
+    def __init__(self, layout: list[dict[str, dict]], num_slots: int, max_len: int, *,
+                 dtype: torch.dtype, device: Any) -> None:
+        self.num_slots, self.max_len = num_slots, max_len
+        self.per_token: list[dict[str, Tensor]] = []
+        self.state: list[dict[str, Tensor]] = []
+        for spec in layout:
+            self.per_token.append({
+                name: torch.zeros(num_slots, max_len, *shape, dtype=dtype, device=device)
+                for name, shape in spec.get("per_token", {}).items()
+            })
+            self.state.append({
+                name: torch.zeros(num_slots, *shape, dtype=sdtype or dtype, device=device)
+                for name, (shape, sdtype) in spec.get("state", {}).items()
+            })
+        self.supports_prefix_reuse = not any(self.state)
+
+    def tensors(self) -> list[Tensor]:
+        return [t for layer in (*self.per_token, *self.state) for t in layer.values()]
+
+    @torch.no_grad()
+    def swap(self, a: int, b: int, n: int | None = None) -> None:
+        """Exchange slots ``a`` and ``b``: the first ``n`` positions (all when None) of every
+        per-token tensor, and the recurrent states."""
+        n = self.max_len if n is None else n
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"swap length {n} outside [0, {self.max_len}]")
+        if a == b:
+            return
+        # through a copy of one side: basic slices, ~3x cheaper on CPU than t[[a, b]] = t[[b, a]]
+        views = [(t[a, :n], t[b, :n]) for layer in self.per_token for t in layer.values()]
+        views += [(t[a], t[b]) for layer in self.state for t in layer.values()]
+        for va, vb in views:
+            keep = va.clone()
+            va.copy_(vb)
+            vb.copy_(keep)
+
+    @torch.no_grad()
+    def copy_prefix(self, src_slot: int, dst_slot: int, n: int) -> None:
+        """Copy the first ``n`` cached positions of ``src_slot`` into ``dst_slot`` (prefix reuse)."""
+        if not self.supports_prefix_reuse:
+            raise ValueError("this cache holds recurrent state, which cannot be cut at a prefix")
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"prefix length {n} outside [0, {self.max_len}]")
+        for layer in self.per_token:
+            for t in layer.values():
+                t[dst_slot, :n] = t[src_slot, :n]
+
+
+# ---------------------------------------------------------------------------------------
+# The batch every layer sees
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """What every layer needs about the batch, computed once per forward."""
+
+    positions: Tensor  # [B, S] long
+    lengths: Tensor  # [B] long: valid new tokens per row
+    valid: Tensor  # [B, S] bool
+    visible: Tensor  # [B, S, T] bool: key j may be attended by query i (None when ``segments`` is set)
+    segment_ids: Tensor | None = None  # [B, S] packed rows (no cache)
+    cache: SlotCache | None = None
+    slots: Tensor | None = None  # [B]
+    past_lens: Tensor | None = None  # [B]
+    write_at: tuple[Tensor, ...] = ()  # (b, i, slot, pos) of every valid new token, [N] each
+    extra: dict[str, Any] = field(default_factory=dict)  # model-specific (RoPE angles)
+    segments: Segments | None = None  # packed rows: the one-sequence-per-row layout for attention
+    # every row is one right-padded sequence from position 0, no cache: plain causal
+    # attention is exact for valid queries (SDPA's is_causal, no mask tensor to read)
+    causal: bool = False
+    slot_range: tuple[int, int] | None = None  # slots are start..stop-1 in order: cache rows are read in place
+    _biases: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    _keys_seen: Tensor | None = field(default=None, repr=False)
+
+    def bias(self, mask: Tensor, dtype: torch.dtype) -> Tensor:
+        """``mask`` ([B, S, T] bool) as an additive bias (0 where visible, -inf elsewhere),
+        built once per forward for each mask the layers share (``visible``, a DSA selection)."""
+        key = (id(mask), dtype)
+        if key not in self._biases:
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._biases[key] = (mask, bias)  # holding the mask keeps its id from being reused
+        return self._biases[key][1]
+
+    def keys_seen(self) -> Tensor:
+        """How many keys each query may attend to, [B, S] (computed once per forward)."""
+        if self._keys_seen is None:
+            self._keys_seen = self.visible.sum(-1)
+        return self._keys_seen
+
+    def keys(self, new: Tensor, layer: int, name: str) -> Tensor:
+        """Keys seen by the new tokens: ``new`` itself, or the cache after writing ``new`` into it.
+
+        new: [B, S, *D]; the store is [num_slots, max_len, *D]; returns [B, T, *D].
+        """
+        if self.cache is None:
+            return new
+        store = self.cache.per_token[layer][name]
+        b, i, slot, pos = self.write_at
+        store[slot, pos] = new[b, i].to(store.dtype)
+        T = self.visible.shape[-1]  # every row reads positions 0..T-1 of its slot
+        return self.slot_rows(store[:, :T]).to(new.dtype)
+
+    def slot_rows(self, store: Tensor) -> Tensor:
+        """Rows ``slots`` of a [num_slots, ...] cache tensor: a view when the slots are
+        consecutive, else a gathered copy. [B, ...]."""
+        if self.slot_range is not None:
+            return store[self.slot_range[0] : self.slot_range[1]]
+        return store.index_select(0, self.slots)
+
+
+def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, cache: SlotCache | None,
+               slots: Tensor | range | None, past_lens: Tensor | None, *, unpack_segments: bool = False) -> Batch:
+    """Key visibility and cache addressing shared by all layers.
+
+    ``unpack_segments``: for packed rows, lay the sequences out one per row for attention
+    when that is cheaper (:class:`Segments`); the packed rows' own [B, S, S] mask is then
+    never built (``visible`` is None), which is what keeps long packed rows affordable.
+    """
+    B, S = positions.shape
+    device = positions.device
+    i = torch.arange(S, device=device)
+    valid = i < lengths[:, None]  # [B, S]
+    if cache is None:
+        if slots is not None or past_lens is not None:
+            raise ValueError("slots and past_lens need a cache")
+        segments = _segments(positions, valid, segment_ids) if segment_ids is not None and unpack_segments else None
+        if segments is not None:
+            return Batch(positions, lengths, valid, None, segment_ids, segments=segments)  # type: ignore[arg-type]
+        j = i
+        visible = (j[None, :] <= i[:, None]).expand(B, S, S)  # causal
+        if segment_ids is not None:
+            visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        batch = Batch(positions, lengths, valid, visible, segment_ids)
+    else:
+        if slots is None or past_lens is None:
+            raise ValueError("a cache needs slots and past_lens")
+        if segment_ids is not None:
+            raise ValueError("segment_ids (packed rows) cannot be combined with a cache")
+        slot_range = None
+        if isinstance(slots, range):
+            if slots.step != 1 or len(slots) != B:
+                raise ValueError(f"a range of slots must be {B} consecutive slots, got {slots}")
+            slot_range = (slots.start, slots.stop)
+            slots = torch.arange(slots.start, slots.stop, device=device)
+        T = int((past_lens + lengths).max())
+        if T > cache.max_len:
+            raise ValueError(f"sequence of {T} tokens does not fit the cache (max_len {cache.max_len})")
+        j = torch.arange(T, device=device)
+        visible = j[None, None, :] <= (past_lens[:, None] + i[None, :])[:, :, None]  # [B, S, T]
+        b_idx, i_idx = valid.nonzero(as_tuple=True)
+        write_at = (b_idx, i_idx, slots[b_idx], past_lens[b_idx] + i_idx)
+        batch = Batch(positions, lengths, valid, visible, None, cache, slots, past_lens, write_at,
+                      slot_range=slot_range)
+    # Padding queries look at key 0 only: finite outputs, no all-masked softmax rows.
+    batch.visible = torch.where(valid[:, :, None], batch.visible, j[None, None, :] == 0)
+    return batch
+
+
+@dataclass
+class Segments:
+    """The sequences of packed rows laid out one per row, for attention.
+
+    A packed row of S tokens holding sequences of lengths l_1..l_m costs S^2 in attention
+    (every pair, masked); one sequence per row costs max(l)^2 per sequence, and the
+    indexer of DSA models scores only its own keys. Token-wise layers never see this
+    layout: a mixer gets ``gather(h)`` and returns through ``scatter``.
+    """
+
+    batch: Batch  # the per-sequence batch: [n, L] positions, lengths, visible, RoPE angles
+    index: Tensor  # [n, L] flat position (b * S + i) of each sequence's tokens; padding -> 0
+    flat: Tensor  # [N] flat positions of the valid tokens
+    where: tuple[Tensor, Tensor]  # (sequence, offset) of each valid token, [N] each
+    shape: tuple[int, int]  # (B, S) of the packed rows
+
+    def gather(self, t: Tensor) -> Tensor:
+        """[B, S, *D] packed -> [n, L, *D] one sequence per row."""
+        return t.flatten(0, 1)[self.index]
+
+    def scatter(self, u: Tensor) -> Tensor:
+        """[n, L, *D] -> [B, S, *D] packed (zeros at padding)."""
+        B, S = self.shape
+        out = u.new_zeros(B * S, *u.shape[2:])
+        out[self.flat] = u[self.where]
+        return out.view(B, S, *u.shape[2:])
+
+    def adopt(self, extra: dict[str, Any]) -> None:
+        """Per-token tensors of the packed batch's ``extra`` (RoPE angles) follow their tokens."""
+        B, S = self.shape
+        for key, value in extra.items():
+            is_per_token = isinstance(value, Tensor) and value.shape[:2] == (B, S)
+            self.batch.extra[key] = self.gather(value) if is_per_token else value
+
+
+def _segments(positions: Tensor, valid: Tensor, segment_ids: Tensor) -> Segments | None:
+    """The one-sequence-per-row layout of packed rows (a sequence is a run of equal
+    ``segment_ids`` in a row), or None when it would not be cheaper than the packed rows."""
+    B, S = valid.shape
+    flat = valid.flatten().nonzero().squeeze(1)  # [N], row-major
+    if flat.numel() == 0:
+        return None
+    sid, row = segment_ids.flatten()[flat], flat // S
+    first = torch.ones_like(sid, dtype=torch.bool)
+    first[1:] = (sid[1:] != sid[:-1]) | (row[1:] != row[:-1])
+    seq = first.cumsum(0) - 1  # [N] sequence of each token
+    starts = first.nonzero().squeeze(1)  # [n]
+    offset = torch.arange(flat.numel(), device=flat.device) - starts[seq]
+    lengths = torch.bincount(seq, minlength=starts.numel())  # [n]
+    n, L = starts.numel(), int(lengths.max())
+    if n * L * L >= B * S * S:
+        return None
+    index = torch.zeros(n, L, dtype=torch.long, device=flat.device)
+    index[seq, offset] = flat
+    sub = make_batch(positions.flatten()[index], lengths, None, None, None, None)
+    sub.causal = True
+    return Segments(sub, index, flat, (seq, offset), (B, S))
+
+
+def mix(mixer: nn.Module, h: Tensor, batch: Batch, carry: Any) -> tuple[Tensor, Any]:
+    """``mixer(h, batch, carry)``, on packed rows one sequence per row (see :class:`Segments`)."""
+    seg = batch.segments
+    if seg is None:
+        return mixer(h, batch, carry)
+    out, carry = mixer(seg.gather(h), seg.batch, carry)
+    return seg.scatter(out), carry
