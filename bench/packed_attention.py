@@ -8,7 +8,7 @@ check it for every architecture); this measures the time of one full optimizer s
 (forward, backward, AdamW) on the same batch, side by side, for two workloads:
 
 * ``short``: 64 samples of ~50 tokens in 128-token rows (the quick start, bench/vs_trl.py);
-* ``multi-turn``: 48 samples of ~310 tokens in 2048-token rows (a multi-turn env's episodes).
+* ``multi-turn``: 48 samples of 155-310 tokens in 2048-token rows (a multi-turn env's episodes).
 
     python bench/packed_attention.py    # final line: {"ratio": {workload: masked / per-sequence seconds}}
 """
@@ -26,14 +26,16 @@ import torch
 WORKLOADS = {"short": (64, 50, 24, 128), "multi-turn": (48, 250, 60, 2048)}  # samples, prompt, completion, seq_len
 
 
-def samples(n: int, prompt: int, completion: int, seed: int) -> list[dict]:
+def samples(n: int, prompt: int, completion: int, seed: int) -> list:
+    from primerl.samples import Sample
+
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         p, c = rng.randint(prompt // 2, prompt), rng.randint(completion // 2, completion)
-        out.append({"tokens": [rng.randrange(256) for _ in range(p + c)], "loss_mask": [0] * p + [1] * c,
-                    "logprobs": [0.0] * p + [-1.0] * c, "versions": [-1] * p + [0] * c,
-                    "advantage": rng.gauss(0, 1), "reward": 0.5, "temperature": 1.0, "routed_experts": None})
+        out.append(Sample(tokens=[rng.randrange(256) for _ in range(p + c)], loss_mask=[0] * p + [1] * c,
+                          logprobs=[0.0] * p + [-1.0] * c, versions=[-1] * p + [0] * c,
+                          advantage=rng.gauss(0, 1), reward=0.5))
     return out
 
 
@@ -45,8 +47,10 @@ def main() -> None:
 
     from primerl.config import ConfigSources, load_config
     from primerl.trainer.loss import get_loss
-    from primerl.trainer.main import build_model, make_optimizer, rl_step
+    from primerl.trainer.main import build_model
+    from primerl.trainer.optim import make_optimizer
     from primerl.trainer.packing import pack
+    from primerl.trainer.step import rl_step
 
     torch.set_num_threads(1)  # as in `primerl run` on 2 cores: the trainer gets one
     ratios = {}
@@ -66,7 +70,7 @@ def main() -> None:
                 times[unpack].append(time.perf_counter() - t0)
         masked, per_seq = statistics.median(times[False]), statistics.median(times[True])
         ratios[name] = round(masked / per_seq, 2)
-        print(json.dumps({"workload": name, "tokens": sum(len(s["tokens"]) for s in batch), "seq_len": seq_len,
+        print(json.dumps({"workload": name, "tokens": sum(len(s.tokens) for s in batch), "seq_len": seq_len,
                           "masked_rows_s": round(masked, 3), "per_sequence_s": round(per_seq, 3),
                           "ratio": ratios[name]}), flush=True)
     print(json.dumps({"bench": "packed_attention", "model": args.model, "ratio": ratios}))

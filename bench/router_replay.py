@@ -66,7 +66,7 @@ def train(name: str, args) -> tuple:
     """A tiny ``name`` model with the real routing shape, SFT-trained on reverse-text answers."""
     from primerl.config import RunConfig
     from primerl.registry import get_registry
-    from primerl.trainer.main import sft_warmup
+    from primerl.trainer.sft import sft_warmup
 
     cfg = RunConfig()
     cfg.model.name, cfg.model.seed = name, args.seed

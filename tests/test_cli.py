@@ -14,6 +14,9 @@ def test_help_lists_the_process_commands():
         assert cmd in r.stdout
 
 
+KINDS = ("model", "env", "router", "kv_store", "parallelism", "inference_backend", "launcher", "loss", "advantage")
+
+
 def test_plugins_list_json_has_exactly_the_documented_keys():
     r = run_cli("plugins", "list", "--json")
     assert r.returncode == 0, r.stderr
@@ -21,9 +24,11 @@ def test_plugins_list_json_has_exactly_the_documented_keys():
     assert rows
     for row in rows:
         assert set(row) == {"kind", "name", "plugin", "distribution", "version", "status", "description", "error"}
-        assert row["kind"] in {"model", "env", "router", "kv_store", "parallelism", "inference_backend", "launcher"}
+        assert row["kind"] in KINDS
         assert row["status"] in {"ok", "error"}
     assert any(r["name"] == "reverse-text" and r["status"] == "ok" for r in rows)
+    # every kind of extension point has a working plugin installed by the README's first line
+    assert {r["kind"] for r in rows if r["status"] == "ok"} == set(KINDS)
 
 
 def test_plugins_info_and_table():

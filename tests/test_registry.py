@@ -72,7 +72,7 @@ def test_every_kind_has_a_hook():
     import primerl.hookspecs as hs
 
     hooks = [n for n in dir(hs) if n.startswith("register_")]
-    assert len(hooks) == len(KINDS) == 7
+    assert len(hooks) == len(KINDS) == 9
 
 
 def test_registers_and_finds_components():

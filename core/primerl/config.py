@@ -59,12 +59,16 @@ class InferenceConfig:
     """The ``[inference]`` section: the server(s) that generate rollouts."""
 
     backend: str = "embedded"
+    # the router plugin in front of the inference servers (the orchestrator talks to one endpoint)
+    router: str = "round-robin"
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8000, validator=_non_negative)  # 0 = pick a free port
     max_batch_size: int = attrs.field(default=64, validator=_positive)
     max_model_len: int = attrs.field(default=1024, validator=_positive)
     kv_slots: int = attrs.field(default=128, validator=_positive)
     dtype: str | None = None  # None: the model section's dtype
+    # KV store plugin (register_kv_stores) that keeps finished sequences' KV for prefix reuse
+    kv_store: str = "memory"
 
 
 @attrs.define(kw_only=True)
@@ -92,6 +96,9 @@ class TrainerConfig:
     # how weights reach inference: "filesystem" (HF checkpoints in the run directory, any
     # node) or "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)
     weight_channel: Literal["filesystem", "shm"] = "filesystem"
+    # the parallelism plugin that lays the model out over the trainer's processes
+    # (primerl.parallel.Parallelism; "single": one process, nothing sharded)
+    parallelism: str = "single"
 
 
 @attrs.define(kw_only=True)
@@ -108,6 +115,14 @@ class OrchestratorConfig:
     async_level: int = attrs.field(default=1, validator=_non_negative)
     max_off_policy_steps: int = attrs.field(default=8, validator=_non_negative)
     advantage: str = "grpo"
+    # stop the run when this many rollout groups fail in a row with none succeeding in
+    # between: the env cannot run its tasks (a missing sandbox, a broken harness)
+    max_failed_groups: int = attrs.field(default=16, validator=_positive)
+    # evaluation on the env's "eval" split every eval_every batches (0 = never): each task
+    # once at eval_temperature (0 = greedy), logged as eval/* with the batch after it ends
+    eval_every: int = attrs.field(default=0, validator=_non_negative)
+    eval_tasks: int = attrs.field(default=64, validator=_positive)  # at most this many eval tasks
+    eval_temperature: float = attrs.field(default=0.0, validator=_non_negative)
 
 
 @attrs.define(kw_only=True)
@@ -448,7 +463,33 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
     for section, cls in plugin_classes.items():
         setattr(cfg, section, structure(cls, raw.get(section, {}), section, sources))
     cfg.check(sources)
+    _check_components(cfg, reg, sources)
     return cfg
+
+
+# config key -> the plugin kind it names (the plugin sections [model] and [env] are checked above)
+COMPONENT_KEYS = {
+    "inference.backend": "inference_backend",
+    "inference.router": "router",
+    "inference.kv_store": "kv_store",
+    "trainer.parallelism": "parallelism",
+    "launcher.name": "launcher",
+}
+
+
+def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
+    """Every key that names a plugin names one that is installed and loads, so a typo
+    fails here, naming the key, instead of in a process minutes into the run."""
+    for key, kind in COMPONENT_KEYS.items():
+        section, _, field = key.partition(".")
+        table = getattr(cfg, section)
+        if field not in attrs.fields_dict(type(table)):
+            continue
+        name = getattr(table, field)
+        try:
+            reg.find(kind, name)
+        except PluginError as exc:
+            raise ConfigError(f"{key} = {name!r} ({_src(sources, key)}): {exc}") from None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

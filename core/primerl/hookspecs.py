@@ -53,7 +53,27 @@ def register_kv_stores(register: Register) -> None:
 
 @hookspec
 def register_parallelisms(register: Register) -> None:
-    """Register trainer parallelism strategies (FSDP2, expert parallel, context parallel)."""
+    """Register trainer parallelism strategies (FSDP2, expert parallel, context parallel).
+
+    The target is a class whose instances implement :class:`primerl.parallel.Parallelism`;
+    ``trainer.parallelism`` selects one by name (default ``single``).
+    """
+
+
+@hookspec
+def register_losses(register: Register) -> None:
+    """Register RL losses, selected by ``trainer.loss``.
+
+    The target is a function with the signature of :class:`primerl.trainer.loss.LossFn`.
+    """
+
+
+@hookspec
+def register_advantages(register: Register) -> None:
+    """Register advantage estimators, selected by ``orchestrator.advantage``.
+
+    The target is ``fn(rewards: list[float]) -> list[float]`` for one group of rollouts.
+    """
 
 
 @hookspec

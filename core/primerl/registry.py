@@ -51,6 +51,8 @@ HOOK_KINDS: dict[str, str] = {
     "register_parallelisms": "parallelism",
     "register_inference_backends": "inference_backend",
     "register_launchers": "launcher",
+    "register_losses": "loss",
+    "register_advantages": "advantage",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_KINDS.values())
 
@@ -98,11 +100,8 @@ class Component:
             )
         if not isinstance(self.target, str):
             return self.target
-        module_name, _, attr = self.target.partition(":")
         try:
-            obj = importlib.import_module(module_name)
-            for part in attr.split(".") if attr else []:
-                obj = getattr(obj, part)
+            return load_target(self.target)
         except Exception as exc:  # noqa: BLE001 - reported with context
             raise PluginError(
                 f"{self.kind} '{self.name}' from plugin '{self.plugin}'{_dist_suffix(self)} "
@@ -110,7 +109,6 @@ class Component:
                 f"Reinstall the plugin or its dependencies, or disable it with "
                 f"PRIMERL_DISABLE_PLUGINS={self.plugin}."
             ) from exc
-        return obj
 
     def as_row(self) -> dict[str, Any]:
         """The JSON shape of ``primerl plugins list --json``."""
@@ -124,6 +122,28 @@ class Component:
             "description": self.description,
             "error": self.error,
         }
+
+
+def is_target(text: str) -> bool:
+    """Whether ``text`` names an object as ``"module:attr"`` (``"wordle"`` and
+    ``"plugin:name"`` picks are told apart by the caller: see :func:`load_target`)."""
+    module, sep, attr = text.partition(":")
+    return bool(sep and module and attr)
+
+
+def load_target(target: str) -> Any:
+    """The object a lazy ``"module:attr"`` target names (``attr`` may be dotted).
+
+    The one resolver for such strings: registered components, losses, advantages and model
+    classes all go through it. Import errors propagate; callers wrap them with context.
+    """
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{target!r} is not a 'module:attr' target")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _dist_suffix(c: Component) -> str:

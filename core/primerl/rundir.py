@@ -107,6 +107,10 @@ class RunDir:
         digest = hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]
         return Path("/dev/shm") / f"primerl-{digest}"
 
+    def shm_weights(self, n: int) -> Path:
+        """The shm channel's file of v(n), linked from ``weights/step_n/shm.safetensors``."""
+        return self.shm() / f"{step_name(n)}.safetensors"
+
     # ---- checkpoints: trainer's resumable state ----------------------------------------
     @property
     def checkpoints(self) -> Path:

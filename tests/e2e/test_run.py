@@ -179,3 +179,24 @@ def test_multi_turn_with_router_replay_ends_each_trajectory_on_a_model_turn(tmp_
         assert s.loss_mask[-1] == 1 and s.turns == 2
         assert s.routed_experts.shape[0] == len(s.tokens) - 1
     assert "not replaying" not in (out / "logs" / "trainer.log").read_text()
+
+
+def test_a_swe_run_whose_tasks_cannot_be_set_up_stops_with_the_cause(tmp_path):
+    """Every task's repository is unusable: the run must stop on its own, quickly, saying
+    why in one line, instead of retrying rollouts forever."""
+    (tmp_path / "not-a-repo").mkdir()
+    record = {"instance_id": "broken-1", "repo": "not-a-repo", "base_commit": "HEAD", "problem_statement": "fix it",
+              "patch": "", "test_patch": "", "FAIL_TO_PASS": ["test_x.py::test_x"], "PASS_TO_PASS": []}
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(record) + "\n")
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "swe",
+                        "--env.tasks", str(tmp_path / "tasks.jsonl"), "--env.sandbox", "rlimit", "--max-steps", "2",
+                        "--output-dir", str(out)], capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert elapsed < 120, elapsed
+    assert "the orchestrator process exited with code 1" in r.stderr
+    (cause,) = [line for line in r.stderr.splitlines() if "stopping the run" in line]
+    assert "rollout groups failed" in cause and "not a git repository" in cause
+    assert "Traceback" not in r.stderr

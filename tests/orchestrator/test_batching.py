@@ -9,8 +9,8 @@ from primerl.rundir import RunDir
 from primerl.samples import Sample, read_batch
 
 
-def make_orchestrator(tmp_path, **orch):
-    overrides = [("output_dir", str(tmp_path)), ("max_steps", "2")]
+def make_orchestrator(tmp_path, max_steps=2, **orch):
+    overrides = [("output_dir", str(tmp_path)), ("max_steps", str(max_steps))]
     overrides += [(f"orchestrator.{k}", str(v)) for k, v in orch.items()]
     cfg = load_config(ConfigSources(overrides=overrides), {"env.name": "reverse-text"})
     from primerl.registry import get_registry
@@ -20,7 +20,7 @@ def make_orchestrator(tmp_path, **orch):
 
 
 def group(version_span, reward=(0.0, 1.0)):
-    g = Group(task=Task(id="t", prompt="abc", answer="cba"), start_version=version_span[0])
+    g = Group(task=Task(id="t", prompt="abc", answer="cba"), start_version=version_span[0], size=2, temperature=1.0)
     for r in reward:
         g.samples.append(Sample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
                                 versions=[-1, *version_span], reward=r))
@@ -106,3 +106,35 @@ def test_groups_failing_in_a_row_stop_the_run_with_their_cause(tmp_path):
                        "(3 of them: pytest is not installed for /venv/bin/python)")
     assert orch.failures.take_metrics() == {"errors/task": 4, "errors/rollout": 1}
     assert orch.finished.qsize() == 1
+
+
+def test_evaluation_runs_each_eval_task_once_and_reaches_the_next_batch(tmp_path):
+    """Against a real inference server: every eval task once, greedy, through the router;
+    the result is logged with the next batch and leaves the training throughput alone."""
+    from conftest import InferenceServer
+
+    from primerl.orchestrator.main import InferenceClient
+    from primerl.registry import get_registry
+
+    with InferenceServer("--model", "glm5", "--inference.max_model_len", "256") as server:
+        orch = make_orchestrator(tmp_path, max_steps=1, batch_size=2, group_size=2, eval_every=1, eval_tasks=3,
+                                 max_tokens=4)
+        orch.client = InferenceClient([server.url], get_registry().load("router", "round-robin")())
+
+        async def go():
+            try:
+                await orch.client.wait_ready()
+                orch.eval_tasks = orch._eval_tasks()
+                orch.version = 0
+                await orch.evaluate(after_batch=0)
+                assert orch.tokens_since_batch == 0  # evaluation is not training throughput
+                orch.finished.put_nowait(group((0, 0)))
+                await orch.write_batches()
+            finally:
+                await orch.client.close()
+
+        asyncio.run(go())
+    metrics = read_batch(RunDir(tmp_path).batch(1)).metrics
+    assert metrics["eval/tasks"] == 3 and metrics["eval/errors"] == 0 and metrics["eval/policy_version"] == 0
+    assert 0.0 <= metrics["eval/reward/mean"] <= 1.0
+    assert orch.eval_results == []

@@ -1,4 +1,5 @@
-"""The default loss and the advantage estimators, against hand computations."""
+"""The default loss and the advantage estimators, against hand computations; lookup by
+registered name (the built-ins' plugin, an in-process plugin) and by "module:attr"."""
 
 import math
 import subprocess
@@ -6,14 +7,12 @@ import sys
 
 import pytest
 import torch
+
+from primerl import hookimpl, registry
 from primerl.config import TrainerConfig
-from primerl.trainer.loss import (
-    ADVANTAGES,
-    LOSSES,
-    compute_advantages,
-    default_loss,
-    get_loss,
-)
+from primerl.errors import PluginError
+from primerl.registry import Registry
+from primerl.trainer.loss import compute_advantages, default_loss, get_loss, grpo, grpo_std
 
 # (p_train, p_infer, advantage, loss_mask) with mask_threshold 0.2:
 ROWS = [
@@ -90,16 +89,62 @@ def test_advantages_by_hand():
     )
     assert compute_advantages([0.7, 0.7], "grpo_std") == [0.0, 0.0]  # no signal, no blow-up
     assert compute_advantages([], "grpo") == []
-    assert set(ADVANTAGES) == {"grpo", "grpo_std"} and "default" in LOSSES
+
+
+def test_builtins_are_registered_by_the_core_plugin():
+    """Installed discovery finds the core distribution's own plugin like any other."""
+    reg = registry.get_registry()
+    assert reg.load("loss", "default") is default_loss is get_loss("default")
+    assert reg.load("advantage", "grpo") is grpo and reg.load("advantage", "grpo_std") is grpo_std
+    assert {c.plugin for c in reg.of_kind("loss") + reg.of_kind("advantage") if c.name in ("default", "grpo")} \
+        == {"primerl"}
+    assert get_loss("primerl:default") is default_loss  # a PLUGIN:NAME pick
+
+
+def clipped(logprobs, inference_logprobs, advantages, loss_mask, *, config, normalizer):
+    """A third party's loss."""
+    return (-(advantages * logprobs)[loss_mask]).sum() / normalizer, {}
+
+
+class LossPlugin:
+    __name__ = "my-losses"
+
+    @hookimpl
+    def register_losses(self, register):
+        register("clipped", clipped)
+
+    @hookimpl
+    def register_advantages(self, register):
+        register("rank", _rank)
+
+
+def _rank(rewards):
+    order = sorted(range(len(rewards)), key=rewards.__getitem__)
+    return [float(order.index(i)) for i in range(len(rewards))]
+
+
+@pytest.fixture
+def with_plugin(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", Registry.discover(extra=[LossPlugin()]))
+
+
+def test_a_plugin_registers_a_loss_and_an_advantage(with_plugin):
+    assert get_loss("clipped") is clipped and get_loss("my-losses:clipped") is clipped
+    assert compute_advantages([0.5, 0.1, 0.9], "rank") == [1.0, 0.0, 2.0]
+    assert get_loss("default") is default_loss  # the installed built-ins are still there
+    with pytest.raises(PluginError, match=r"no loss named 'nope'\. Available: clipped, default"):
+        get_loss("nope")
 
 
 def test_custom_by_module_attr_and_errors():
     assert compute_advantages([1.0, 3.0], "primerl.trainer.loss:grpo") == [-1.0, 1.0]
     assert get_loss("primerl.trainer.loss:default_loss") is default_loss
-    with pytest.raises(ValueError, match="grpo, grpo_std"):
+    with pytest.raises(PluginError, match="orchestrator.advantage: no advantage named 'rloo'. Available: grpo, grpo_std"):
         compute_advantages([1.0], "rloo")
-    with pytest.raises(ValueError, match="could not be loaded"):
+    with pytest.raises(PluginError, match="could not be loaded as 'module:attr'.*no_such_module_xyz"):
         get_loss("no_such_module_xyz:f")
+    with pytest.raises(PluginError, match="not callable"):
+        get_loss("primerl.trainer.loss:__doc__")
 
 
 def test_loss_module_imports_no_torch():

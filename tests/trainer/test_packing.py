@@ -2,9 +2,12 @@
 
 import random
 
+import attrs
 import pytest
 import torch
+
 from primerl.models import ModelConfig
+from primerl.samples import Sample
 from primerl.sampling import token_logprobs
 from primerl.trainer.packing import first_fit_decreasing, pack
 
@@ -15,16 +18,16 @@ def _samples(n, seed=0, min_len=2, max_len=40, vocab=263, experts=None):
     for _ in range(n):
         L = rng.randint(min_len, max_len)
         prompt = rng.randint(1, L - 1)
-        s = {
-            "tokens": [rng.randrange(vocab) for _ in range(L)],
-            "loss_mask": [0] * prompt + [1] * (L - prompt),
-            "logprobs": [0.0] * prompt + [-rng.random() for _ in range(L - prompt)],
-            "advantage": rng.uniform(-1, 1),
-            "temperature": rng.choice([1.0, 0.7]),
-        }
+        s = Sample(
+            tokens=[rng.randrange(vocab) for _ in range(L)],
+            loss_mask=[0] * prompt + [1] * (L - prompt),
+            logprobs=[0.0] * prompt + [-rng.random() for _ in range(L - prompt)],
+            advantage=rng.uniform(-1, 1),
+            temperature=rng.choice([1.0, 0.7]),
+        )
         if experts is not None:
             layers, k, E = experts
-            s["routed_experts"] = torch.randint(0, E, (L, layers, k), dtype=torch.uint8)
+            s.routed_experts = torch.randint(0, E, (L, layers, k), dtype=torch.uint8)
         out.append(s)
     return out
 
@@ -41,21 +44,21 @@ def test_pack_is_lossless():
     p = pack(samples, seq_len)
     R, W = p.input_ids.shape
     assert W <= seq_len and (p.lengths <= seq_len).all()
-    assert p.num_tokens == sum(len(s["tokens"]) - 1 for s in samples)  # only the row tails are padding
+    assert p.num_tokens == sum(len(s.tokens) - 1 for s in samples)  # only the row tails are padding
     # every loss token appears exactly once, as a target, with its logprob and advantage
-    expected = {(i, j) for i, s in enumerate(samples) for j in range(1, len(s["tokens"])) if s["loss_mask"][j]}
+    expected = {(i, j) for i, s in enumerate(samples) for j in range(1, len(s.tokens)) if s.loss_mask[j]}
     seen = []
     for r in range(R):
         for c in range(int(p.lengths[r])):
             i, pos = int(p.sample_index[r, c]), int(p.positions[r, c])
             s = samples[i]
-            assert int(p.input_ids[r, c]) == s["tokens"][pos]
-            assert int(p.targets[r, c]) == s["tokens"][pos + 1]
-            assert float(p.advantages[r, c]) == pytest.approx(s["advantage"])
-            assert float(p.temperatures[r, c]) == pytest.approx(s["temperature"])
+            assert int(p.input_ids[r, c]) == s.tokens[pos]
+            assert int(p.targets[r, c]) == s.tokens[pos + 1]
+            assert float(p.advantages[r, c]) == pytest.approx(s.advantage)
+            assert float(p.temperatures[r, c]) == pytest.approx(s.temperature)
             if p.loss_mask[r, c]:
                 seen.append((i, pos + 1))
-                assert float(p.inference_logprobs[r, c]) == pytest.approx(s["logprobs"][pos + 1])
+                assert float(p.inference_logprobs[r, c]) == pytest.approx(s.logprobs[pos + 1])
         assert (p.sample_index[r, int(p.lengths[r]) :] == -1).all()
         assert not p.loss_mask[r, int(p.lengths[r]) :].any()
     assert len(seen) == len(set(seen)) and set(seen) == expected
@@ -72,9 +75,16 @@ def test_pack_is_lossless():
 
 def test_pack_too_long_names_the_fix():
     with pytest.raises(ValueError, match="trainer.seq_len"):
-        pack([{"tokens": list(range(20)), "loss_mask": [1] * 20}], seq_len=10)
+        pack([Sample(tokens=list(range(20)), loss_mask=[1] * 20)], seq_len=10)
     # a sample of exactly seq_len + 1 tokens fits (seq_len positions)
-    assert pack([{"tokens": list(range(11)), "loss_mask": [1] * 11}], seq_len=10).num_tokens == 10
+    assert pack([Sample(tokens=list(range(11)), loss_mask=[1] * 11)], seq_len=10).num_tokens == 10
+
+
+def test_pack_defaults_and_skips():
+    """No logprobs reads as 0; a 1-token sample has nothing to predict and is skipped."""
+    p = pack([Sample(tokens=[5], loss_mask=[0]), Sample(tokens=[1, 2, 3], loss_mask=[0, 1, 1])], seq_len=8)
+    assert p.num_tokens == 2 and p.sample_index[0, :2].tolist() == [1, 1]
+    assert p.inference_logprobs[0, :2].tolist() == [0.0, 0.0] and p.temperatures[0, :2].tolist() == [1.0, 1.0]
 
 
 def test_pack_replay_experts_only_when_all_have_them():
@@ -83,8 +93,8 @@ def test_pack_replay_experts_only_when_all_have_them():
     assert p.replay_experts is not None and p.replay_experts.shape[2:] == (3, 2)
     r, c = 0, 0
     i, pos = int(p.sample_index[r, c]), int(p.positions[r, c])
-    assert torch.equal(p.replay_experts[r, c], samples[i]["routed_experts"][pos].to(torch.int16))
-    samples[3]["routed_experts"] = None
+    assert torch.equal(p.replay_experts[r, c], samples[i].routed_experts[pos].to(torch.int16))
+    samples[3].routed_experts = None
     assert pack(samples, 64).replay_experts is None
 
 
@@ -113,10 +123,10 @@ def test_packed_forward_matches_separate_forwards(tiny):
             packed_lp[r, : int(p.lengths[r])] = token_logprobs(out.logits[0], row["targets"][0], row["temperatures"][0])
             assert out.routed_experts.shape[2:] == (len(layout["moe_layers"]), layout["top_k"])
         for i, s in enumerate(samples):
-            t = torch.tensor(s["tokens"])[None]
+            t = torch.tensor(s.tokens)[None]
             n = t.shape[1] - 1
             out = model(t[:, :-1], torch.arange(n)[None], torch.tensor([n]))
-            alone = token_logprobs(out.logits[0], t[0, 1:], s["temperature"])  # [n]
+            alone = token_logprobs(out.logits[0], t[0, 1:], s.temperature)  # [n]
             where = p.sample_index == i
             order = p.positions[where].argsort()
             torch.testing.assert_close(packed_lp[where][order], alone, atol=1e-5, rtol=0)
@@ -130,14 +140,14 @@ def test_rl_step_reports_routing_agreement_and_mismatch(tiny):
 
     from primerl.config import RunConfig
     from primerl.trainer.loss import get_loss
-    from primerl.trainer.main import rl_step
+    from primerl.trainer.step import rl_step
 
     adapter, model = tiny
     samples = _samples(4, seed=9, min_len=6, max_len=30)
     for s in samples:  # the experts this model itself picks for each token
-        t = torch.tensor(s["tokens"])[None]
+        t = torch.tensor(s.tokens)[None]
         with torch.no_grad():
-            s["routed_experts"] = model(t, torch.arange(t.shape[1])[None], torch.tensor([t.shape[1]])).routed_experts[0]
+            s.routed_experts = model(t, torch.arange(t.shape[1])[None], torch.tensor([t.shape[1]])).routed_experts[0]
     cfg = RunConfig()
     for replay in (False, True):
         cfg.trainer.router_replay = replay
@@ -146,7 +156,7 @@ def test_rl_step_reports_routing_agreement_and_mismatch(tiny):
         stats = rl_step(m, opt, pack(samples, seq_len=128), get_loss("default"), cfg)
         assert stats["routing_agreement"] == pytest.approx(1.0)
         assert {f"routing_agreement/layer_{i}" for i in range(3)} <= set(stats)
-    shifted = [dict(s, routed_experts=(s["routed_experts"].long() + 1) % 8) for s in samples]
+    shifted = [attrs.evolve(s, routed_experts=(s.routed_experts.long() + 1) % 8) for s in samples]
     m = copy.deepcopy(model)
     stats = rl_step(m, torch.optim.SGD(m.parameters(), lr=0.0), pack(shifted, seq_len=128), get_loss("default"), cfg)
     assert stats["routing_agreement"] < 0.5

@@ -5,11 +5,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from primerl.config import ConfigSources, load_config
+from primerl.envs.multiturn import prompt_ids
+from primerl.rundir import STABLE, TRAINER_STATE, RunDir
+from primerl.samples import RolloutBatch, Sample, write_batch
 from primerl.sampling import token_logprobs
 from primerl.trainer import main as trainer
 from primerl.trainer.loss import compute_advantages
-from safetensors.torch import load_file
+from primerl.trainer.optim import lr_factor
+from primerl.trainer.publish import prune_weights
+from primerl.trainer.sft import sft_samples
 
 TRAINER_KEYS = {
     "step", "policy_version", "mismatch_kl", "loss", "masked_fraction", "grad_norm", "lr",
@@ -39,14 +46,13 @@ def _write_rollouts(cfg, steps):
     _, model, tok = trainer.build_model(cfg)
     env = get_registry().load("env", cfg.env.name)(cfg.env)
     tasks = iter(env.tasks("train"))
-    out = Path(cfg.output_dir) / "rollouts"
-    out.mkdir(parents=True, exist_ok=True)
+    run = RunDir(cfg.output_dir)
     g = torch.Generator().manual_seed(0)
     for n in steps:
         samples = []
         for _group in range(2):
             task = next(tasks)
-            prompt = trainer.prompt_ids(tok, task.messages(env.system_prompt))
+            prompt = prompt_ids(tok, task.messages(env.system_prompt))
             rewards = []
             for k in range(2):
                 text = task.answer if k == 0 else task.answer[::-1]
@@ -58,22 +64,23 @@ def _write_rollouts(cfg, steps):
                 lp = token_logprobs(o.logits[0, :-1], torch.tensor(tokens[1:]), temp).tolist()
                 lp = [0.0] + lp  # the logprob of token i sits at i
                 mask = [0] * len(prompt) + [1] * len(completion)
-                samples.append({
-                    "tokens": tokens, "loss_mask": mask,
-                    "logprobs": [v if m else 0.0 for v, m in zip(lp, mask, strict=True)],
-                    "versions": [0 if m else -1 for m in mask],
-                    "reward": float(torch.rand((), generator=g)), "temperature": temp,
-                    "routed_experts": o.routed_experts[0].to(torch.uint8),  # [len(tokens), L, k]
-                })
-                rewards.append(samples[-1]["reward"])
+                samples.append(Sample(
+                    tokens=tokens, loss_mask=mask,
+                    logprobs=[v if m else 0.0 for v, m in zip(lp, mask, strict=True)],
+                    versions=[0 if m else -1 for m in mask],
+                    reward=float(torch.rand((), generator=g)), temperature=temp,
+                    routed_experts=o.routed_experts[0].to(torch.uint8),  # [len(tokens), L, k]
+                    task_id=task.id,
+                ))
+                rewards.append(samples[-1].reward)
             for s, a in zip(samples[-2:], compute_advantages(rewards, "grpo"), strict=True):
-                s["advantage"] = a
-        batch = {"step": n, "samples": samples, "metrics": {"reward/mean": 0.5, "dropped_stale": 0}}
-        torch.save(batch, out / f"step_{n:06d}.pt")
+                s.advantage = a
+        metrics = {"reward/mean": 0.5, "dropped_stale": 0}
+        write_batch(run.batch(n), RolloutBatch(step=n, samples=samples, metrics=metrics))
 
 
-def _weights(out: Path, n: int, kind: str = "weights"):
-    return load_file(str(out / kind / f"step_{n:06d}" / "model.safetensors"))
+def _weights(out: Path, n: int):
+    return load_file(str(RunDir(out).weights_step(n) / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +93,12 @@ def full_run(tmp_path_factory):
 
 
 def test_main_end_to_end(full_run):
-    out = full_run
+    out, run = full_run, RunDir(full_run)
     for n in (0, 1, 2):
-        assert (out / "weights" / f"step_{n:06d}" / "STABLE").is_file()
-        assert (out / "weights" / f"step_{n:06d}" / "config.json").is_file()
-    assert not list((out / "weights").glob(".tmp*"))
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert (run.weights_step(n) / STABLE).is_file()
+        assert (run.weights_step(n) / "config.json").is_file()
+    assert not list(run.weights.glob(".tmp*"))
+    lines = [json.loads(x) for x in run.metrics.read_text().splitlines()]
     assert len(lines) == 2
     for n, rec in enumerate(lines, 1):
         assert set(rec) >= TRAINER_KEYS and rec["reward/mean"] == 0.5 and rec["dropped_stale"] == 0
@@ -103,19 +110,22 @@ def test_main_end_to_end(full_run):
     w0, w1, w2 = (_weights(out, n) for n in (0, 1, 2))
     assert any(not torch.equal(w0[k], w2[k]) for k in w0)
     assert any(not torch.equal(w1[k], w2[k]) for k in w1)
-    assert (out / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()  # at the end
+    assert run.latest_checkpoint() == (2, run.checkpoint(2))  # at the end
+    assert (run.checkpoint(2) / TRAINER_STATE).is_file()
 
 
 def test_resume_continues_where_it_stopped(full_run, tmp_path, capsys):
     out = tmp_path / "run"
+    run = RunDir(out)
     _write_rollouts(_config(out), [1, 2])
     trainer.main(_config(out, **{"max_steps": 1, "trainer.checkpoint_every": 1}))
-    assert (out / "checkpoints" / "step_000001" / "trainer_state.pt").is_file()
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert (run.checkpoint(1) / TRAINER_STATE).is_file()
+    assert len(run.metrics.read_text().splitlines()) == 1
     capsys.readouterr()
     trainer.main(_config(out, **{"max_steps": 2, "trainer.checkpoint_every": 1}))
-    assert "resumed from" in capsys.readouterr().out
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    log = capsys.readouterr().out
+    assert "resumed from" in log and "parallelism single on mesh (dp_replicate=1)" in log
+    lines = [json.loads(x) for x in run.metrics.read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
     # same result as the uninterrupted run: weights, optimizer state and RNG were restored
     a, b = _weights(full_run, 2), _weights(out, 2)
@@ -138,19 +148,21 @@ def test_sft_warmup_changes_v0_and_prunes_old_weights(tmp_path):
 
     env = get_registry().load("env", "reverse-text")(cfg.env)
     task = next(iter(env.tasks("train")))
-    (s,) = trainer.sft_samples(env, [task], tok)
+    (s,) = sft_samples(env, [task], tok)
     n_ans = len(task.answer) + 1
-    assert s["tokens"][-n_ans:] == tok.encode(task.answer, add_special_tokens=False) + [tok.eos_token_id]
-    assert s["loss_mask"] == [0] * (len(s["tokens"]) - n_ans) + [1] * n_ans
+    assert isinstance(s, Sample) and s.task_id == task.id
+    assert s.tokens[-n_ans:] == tok.encode(task.answer, add_special_tokens=False) + [tok.eos_token_id]
+    assert s.loss_mask == [0] * (len(s.tokens) - n_ans) + [1] * n_ans
     # pruning keeps the last max_off_policy_steps + 2 versions
+    run = RunDir(out)
     for n in range(2, 6):
-        (out / "weights" / f"step_{n:06d}").mkdir()
-    assert trainer.prune_weights(out, 5, keep_steps=3) == [0, 1]
-    assert sorted(p.name for p in (out / "weights").iterdir()) == [f"step_{n:06d}" for n in range(2, 6)]
+        run.weights_step(n).mkdir()
+    assert prune_weights(run, 5, keep_steps=3) == [0, 1]
+    assert sorted(p.name for p in run.weights.iterdir()) == [run.weights_step(n).name for n in range(2, 6)]
 
 
 def test_lr_schedules():
-    f = trainer.lr_factor
+    f = lr_factor
     assert [f(s, 2, 10, "constant") for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     assert f(2, 2, 10, "cosine") == pytest.approx(1.0) and f(6, 2, 10, "cosine") == pytest.approx(0.5)
     assert f(6, 2, 10, "linear") == pytest.approx(0.5) and f(10, 2, 10, "linear") == 0.0

@@ -15,6 +15,15 @@ It is an asyncio program with three concurrent jobs:
   ``max_off_policy_steps`` behind n - 1, cancel in-flight groups that can no longer
   qualify, compute group advantages and write ``rollouts/step_n.pt`` atomically.
 
+Two more run beside them when asked: every ``eval_every`` batches an **evaluation** of
+the env's eval split, logged with the next batch; and failed groups are counted
+(``errors/task``, ``errors/rollout``) until ``max_failed_groups`` in a row say the env
+cannot run its tasks, which stops the run with the cause.
+
+Requests reach the inference servers through the router plugin (``inference.router``);
+samples leave as :class:`~primerl.samples.Sample` records, paths come from
+:class:`~primerl.rundir.RunDir`.
+
 Environments score completions here (``env.score``); tool and multi-turn environments
 run their episodes through the same client, their turns computed in env worker processes.
 An :class:`~primerl.envs.agent.AgentEnv` (the verifiers bridge, agent harnesses) runs
@@ -59,6 +68,8 @@ class Group:
 
     task: Task
     start_version: int
+    size: int  # samples (episodes) to draw
+    temperature: float
     samples: list[Sample] = attrs.Factory(list)
     tokens: int = 0
     cancelled: bool = False
@@ -206,6 +217,8 @@ class Orchestrator:
         self.failures = Failures(self.o.max_failed_groups)
         self.broken: asyncio.Future[str] | None = None  # set with the cause when the env cannot run its tasks
         self.tasks = self._task_stream()
+        self.eval_results: list[dict[str, float]] = []  # finished evaluations, logged with the next batch
+        self.evaluations: set[asyncio.Task] = set()
         # rewards may call slow verifiers; one thread per in-flight sample keeps them overlapped
         self.scorer = ThreadPoolExecutor(max_workers=max(self.o.max_concurrent, self.o.group_size),
                                          thread_name_prefix="score")
@@ -230,6 +243,40 @@ class Orchestrator:
             rng.shuffle(tasks)
             yield from tasks
 
+    def _eval_tasks(self) -> list[Task]:
+        tasks = list(itertools.islice(self.env.tasks("eval"), self.o.eval_tasks))
+        if not tasks:
+            raise RunFailed(f"environment '{self.cfg.env.name}' has no eval tasks: set orchestrator.eval_every 0")
+        return tasks
+
+    # ---- evaluation -----------------------------------------------------------------------
+    async def evaluate(self, after_batch: int) -> None:
+        """Each eval task once, at ``eval_temperature``, with the policy inference serves now.
+
+        Runs beside training (its requests share the servers with rollouts); its mean
+        reward is logged as ``eval/reward/mean`` with the first batch written after it
+        ends, together with the policy version it measured."""
+        version, t0 = self.version, time.monotonic()
+        groups = [Group(task=t, start_version=version, size=1, temperature=self.o.eval_temperature)
+                  for t in self.eval_tasks]
+        outcomes = await asyncio.gather(*(self.rollout(g, train=False) for g in groups), return_exceptions=True)
+        rewards = [s.reward for g, o in zip(groups, outcomes) if o is None for s in g.samples]
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        for exc in errors[:3]:
+            log(f"evaluation after batch {after_batch}: a task failed: {type(exc).__name__}: {exc}")
+        result = {"eval/policy_version": version, "eval/tasks": len(rewards), "eval/errors": len(errors),
+                  "eval/seconds": time.monotonic() - t0}
+        if rewards:
+            result["eval/reward/mean"] = sum(rewards) / len(rewards)
+        self.eval_results.append(result)
+        log(f"evaluation of v{version} on {len(rewards)} eval tasks: "
+            + (f"reward {result['eval/reward/mean']:.3f}" if rewards else "no task finished"))
+
+    def _start_evaluation(self, after_batch: int) -> None:
+        job = asyncio.create_task(self.evaluate(after_batch))
+        self.evaluations.add(job)
+        job.add_done_callback(self.evaluations.discard)
+
     # ---- weights ------------------------------------------------------------------------
     async def watch_weights(self) -> None:
         while True:
@@ -252,7 +299,8 @@ class Orchestrator:
         while True:
             while self.may_start():
                 task = next(self.tasks)
-                group = Group(task=task, start_version=self.version)
+                group = Group(task=task, start_version=self.version, size=self.o.group_size,
+                              temperature=self.o.temperature)
                 job = asyncio.create_task(self.rollout(group))
                 self.in_flight[job] = group
                 job.add_done_callback(self._on_done)
@@ -279,18 +327,24 @@ class Orchestrator:
         if self.failures.hopeless and self.broken is not None and not self.broken.done():
             self.broken.set_result(self.failures.verdict())
 
-    async def rollout(self, group: Group) -> None:
+    async def rollout(self, group: Group, train: bool = True) -> None:
+        """Fill ``group.samples``; ``train`` False (evaluation) leaves the throughput count alone."""
         if isinstance(self.env, AgentEnv):
             await self.agent_rollout(group)
-            return
-        if self.workers is not None:
+        elif self.workers is not None:
             await self.multi_turn_rollout(group)
-            return
+        else:
+            await self.single_turn_rollout(group)
+        if train:
+            self.tokens_since_batch += group.tokens
+
+    async def single_turn_rollout(self, group: Group) -> None:
+        """One chat request with ``n = group.size``: the prompt is prefilled once."""
         o = self.o
         body = {
             "model": self.cfg.model.name,
             "messages": group.task.messages(self.env.system_prompt),
-            "n": o.group_size, "max_tokens": o.max_tokens, "temperature": o.temperature, "top_p": o.top_p,
+            "n": group.size, "max_tokens": o.max_tokens, "temperature": group.temperature, "top_p": o.top_p,
             "logprobs": True, "return_routed_experts": self.want_routed,
         }
         resp = await self.client.chat(body, session=group.session)
@@ -309,46 +363,44 @@ class Orchestrator:
                 logprobs=[0.0] * n_prompt + [c["logprob"] for c in choice["logprobs"]["content"]],
                 versions=[NO_VERSION] * n_prompt + choice["policy_versions"],
                 reward=reward,
-                temperature=o.temperature,
+                temperature=group.temperature,
                 routed_experts=decode_routed_experts(choice.get("routed_experts")),
                 task_id=group.task.id,
             ))
             group.tokens += len(ids)
-        self.tokens_since_batch += group.tokens
 
     async def multi_turn_rollout(self, group: Group) -> None:
-        """``group_size`` independent episodes of one task; any failed episode fails the group."""
+        """``group.size`` independent episodes of one task; any failed episode fails the group."""
         timeout = self.cfg.env.episode_timeout_s if isinstance(self.cfg.env, MultiTurnConfig) else None
-        episodes = await asyncio.gather(*(asyncio.wait_for(self.episode(group.task, f"{group.session}-{i}"), timeout)
-                                          for i in range(self.o.group_size)))
+        episodes = await asyncio.gather(*(
+            asyncio.wait_for(self.episode(group.task, f"{group.session}-{i}", group.temperature), timeout)
+            for i in range(group.size)))
         for sample in episodes:
             group.samples.append(sample)
             group.tokens += sample.sampled_tokens
-        self.tokens_since_batch += group.tokens
 
     async def agent_rollout(self, group: Group) -> None:
         """The env runs the group in a worker; every episode's calls become samples."""
         o = self.o
         endpoint = Endpoint(
             base_url=self.client.base_url(group.session) + "/v1", model=self.cfg.model.name, max_tokens=o.max_tokens,
-            temperature=o.temperature, top_p=o.top_p, max_model_len=self.cfg.inference.max_model_len,
+            temperature=group.temperature, top_p=o.top_p, max_model_len=self.cfg.inference.max_model_len,
             return_routed_experts=self.want_routed)
         timeout = getattr(self.cfg.env, "episode_timeout_s", None)  # an agent env's Config may have none
-        episodes = await self.workers.call("run_group", group.task, endpoint, o.group_size, timeout=timeout)
+        episodes = await self.workers.call("run_group", group.task, endpoint, group.size, timeout=timeout)
         for i, ep in enumerate(episodes):
             if ep.error:
                 log(f"episode of task {group.task.id} ended early: {ep.error}")
             group.env_metrics.append(ep.metrics)
             for sample in interleave(ep.calls):
-                sample.reward, sample.temperature = float(ep.reward), o.temperature
+                sample.reward, sample.temperature = float(ep.reward), group.temperature
                 sample.task_id, sample.episode = group.task.id, i
                 group.samples.append(sample)
                 group.tokens += sample.sampled_tokens
         if not group.samples:
             raise RuntimeError(f"no episode of task {group.task.id} sampled a token")
-        self.tokens_since_batch += group.tokens
 
-    async def episode(self, task: Task, session: str) -> Sample:
+    async def episode(self, task: Task, session: str, temperature: float) -> Sample:
         """One token-exact multi-turn episode: model turns via /v1/completions on the
         growing token sequence, env turns from the env workers, appended as tokens."""
         o, env, tok = self.o, self.env, self.tokenizer
@@ -367,7 +419,7 @@ class Orchestrator:
                     break
                 resp = await self.client.completions({
                     "model": self.cfg.model.name, "prompt": ids, "max_tokens": budget,
-                    "temperature": o.temperature, "top_p": o.top_p, "logprobs": 0,
+                    "temperature": temperature, "top_p": o.top_p, "logprobs": 0,
                     "return_routed_experts": self.want_routed,
                 }, session=session)
                 choice = resp["choices"][0]
@@ -397,7 +449,7 @@ class Orchestrator:
             except Exception as e:  # noqa: BLE001 - cleanup failing must not lose the episode
                 log(f"cleanup of task {task.id} failed: {e}")
         return Sample(tokens=ids[:end], loss_mask=mask[:end], logprobs=logprobs[:end], versions=versions[:end],
-                      reward=reward, temperature=o.temperature, routed_experts=decode_routed_experts(routed),
+                      reward=reward, temperature=temperature, routed_experts=decode_routed_experts(routed),
                       task_id=task.id, turns=sum(1 for m in messages if m["role"] == "assistant"))
 
     # ---- batches --------------------------------------------------------------------------
@@ -450,12 +502,17 @@ class Orchestrator:
             for key in sorted({k for m in env_metrics for k in m}):  # an agent env's own metrics, per episode
                 values = [m[key] for m in env_metrics if key in m]
                 metrics[f"env/{key}"] = sum(values) / len(values)
+            for result in self.eval_results:  # evaluations that ended since the last batch
+                metrics.update(result)
+            self.eval_results.clear()
             self.tokens_since_batch = 0
             last = now
             await asyncio.to_thread(write_batch, self.run_dir.batch(n),
                                     RolloutBatch(step=n, samples=samples, metrics=metrics))
             log(f"batch {n}: reward {metrics['reward/mean']:.3f}, staleness max {metrics['off_policy/max']}, "
                 f"dropped {dropped}, inference v{self.version}")
+            if self.o.eval_every and n % self.o.eval_every == 0 and n < self.cfg.max_steps:
+                self._start_evaluation(n)
 
     def cancel_hopeless(self, next_batch: int) -> None:
         """Cancel in-flight groups that would be too stale even for the next batch."""
@@ -466,6 +523,7 @@ class Orchestrator:
                 self.started -= 1
 
     async def run(self) -> None:
+        self.eval_tasks = self._eval_tasks() if self.o.eval_every else []
         await self.client.wait_ready()
         self.broken = asyncio.get_running_loop().create_future()
         jobs = [asyncio.create_task(self.watch_weights()), asyncio.create_task(self.start_groups())]
@@ -479,9 +537,10 @@ class Orchestrator:
             self.closing = True
             if self.workers is not None:
                 self.workers.closing = True
-            for job in [*jobs, writer, *self.in_flight]:
+            others = [*jobs, writer, *self.in_flight, *self.evaluations]
+            for job in others:
                 job.cancel()
-            await asyncio.gather(*jobs, writer, *self.in_flight, return_exceptions=True)
+            await asyncio.gather(*others, return_exceptions=True)
             self.scorer.shutdown(wait=False, cancel_futures=True)
             if self.workers is not None:
                 self.workers.close()

@@ -1,9 +1,20 @@
 """The trainer: packs rollout batches, computes the RL loss, steps the optimizer, publishes weights.
 
 * :mod:`primerl.trainer.packing` - samples into segment-isolated rows (no padding waste);
-* :mod:`primerl.trainer.loss` - pluggable losses and advantage estimators (light import);
+* :mod:`primerl.trainer.loss` - losses and advantage estimators by registered name (light import);
+* :mod:`primerl.trainer.optim` - AdamW and the learning-rate schedule;
+* :mod:`primerl.trainer.step` - one RL optimizer step over packed rows (routing metrics,
+  MoE router balancing);
+* :mod:`primerl.trainer.sft` - the optional supervised warm-up before RL;
+* :mod:`primerl.trainer.publish` - weights for inference, checkpoints, resuming;
+* :mod:`primerl.trainer.metrics` - ``metrics.jsonl``;
 * :mod:`primerl.trainer.main` - the process: ``main(cfg)``, started as ``primerl trainer``.
 
 Importing this package imports nothing heavy; the orchestrator uses
 ``primerl.trainer.loss.compute_advantages`` without torch.
 """
+
+
+def log(msg: str) -> None:
+    """The trainer's log line (its stdout goes to ``logs/trainer.log``)."""
+    print(f"[trainer] {msg}", flush=True)

@@ -1,13 +1,16 @@
-"""RL losses and advantage estimators, pluggable by name.
+"""RL losses and advantage estimators: the built-ins, the contracts, and lookup by name.
 
-What: ``LOSSES`` and ``ADVANTAGES`` map names to functions; a config may also name any
-importable function as ``"module:attr"`` (``--trainer.loss my_pkg.losses:clipped``,
-``--orchestrator.advantage my_pkg.adv:rloo``), so a new objective needs no fork.
+What: ``trainer.loss`` and ``orchestrator.advantage`` name a component registered by a
+plugin through the ``register_losses`` / ``register_advantages`` hooks, like every other
+component (the core's own plugin, :mod:`primerl.builtin_plugin`, registers ``default``,
+``grpo`` and ``grpo_std``). A config may also name any importable function as
+``"module:attr"`` (``--trainer.loss my_pkg.losses:clipped``), so trying an objective
+needs neither a fork nor a plugin.
 
 Why this module is light: the orchestrator imports :func:`compute_advantages` and must
 not pay for torch, so torch is imported only inside the loss functions.
 
-The loss contract (what a custom ``trainer.loss`` implements)::
+The loss contract (:class:`LossFn`, what a custom ``trainer.loss`` implements)::
 
     loss_fn(logprobs, inference_logprobs, advantages, loss_mask, *, config, normalizer)
         -> (loss, metrics)
@@ -20,18 +23,38 @@ The loss contract (what a custom ``trainer.loss`` implements)::
 * ``metrics``: dict of *token sums* over this call's loss tokens (scalar tensors or
   floats); the trainer adds them over rows and divides by the step's loss tokens.
 
-The advantage contract: ``fn(rewards: list[float]) -> list[float]`` for one group.
+The advantage contract (:data:`AdvantageFn`): ``fn(rewards: list[float]) -> list[float]``
+for one group (one value per reward, same order).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from primerl.errors import PluginError
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
+
+
+class LossFn(Protocol):
+    """What ``trainer.loss`` names (see the module docstring for the meaning of each argument)."""
+
+    def __call__(
+        self,
+        logprobs: Tensor,  # [N] trainer log p, requires grad
+        inference_logprobs: Tensor,  # [N] engine log p
+        advantages: Tensor,  # [N]
+        loss_mask: Tensor,  # [N] bool
+        *,
+        config: Any,  # TrainerConfig
+        normalizer: float,  # loss tokens of the whole optimizer step
+    ) -> tuple[Tensor, dict[str, Any]]: ...
+
+
+AdvantageFn = Callable[[list[float]], list[float]]
 
 
 # --------------------------------------------------------------------------------------
@@ -83,10 +106,6 @@ def default_loss(
     return loss, metrics
 
 
-LossFn = Callable[..., tuple[Any, dict[str, Any]]]
-LOSSES: dict[str, LossFn] = {"default": default_loss}
-
-
 # --------------------------------------------------------------------------------------
 # Advantages (pure Python: the orchestrator uses them without torch)
 # --------------------------------------------------------------------------------------
@@ -105,38 +124,37 @@ def grpo_std(rewards: list[float]) -> list[float]:
     return [(r - mean) / (std + 1e-6) for r in rewards]
 
 
-AdvantageFn = Callable[[list[float]], list[float]]
-ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "grpo_std": grpo_std}
-
-
 # --------------------------------------------------------------------------------------
 # Lookup by name
 # --------------------------------------------------------------------------------------
 
 
-def resolve(name: str, table: dict[str, Callable], what: str) -> Callable:
-    """A built-in by name, or any function given as ``"module:attr"``."""
-    if name in table:
-        return table[name]
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"{what} {name!r} could not be loaded: {type(exc).__name__}: {exc}") from None
-        if not callable(obj):
-            raise ValueError(f"{what} {name!r} is not callable")
-        return obj
-    raise ValueError(
-        f"unknown {what} {name!r}: choose one of {', '.join(sorted(table))}, "
-        f"or give a function as 'module:attr'"
-    )
+def resolve(kind: str, name: str, config_key: str) -> Callable:
+    """The component of ``kind`` registered as ``name`` (or ``PLUGIN:NAME``), else the
+    function a ``"module:attr"`` string names. Errors list what is registered."""
+    from primerl.registry import get_registry, is_target, load_target
+
+    try:
+        return get_registry().load(kind, name)
+    except PluginError as exc:
+        if not is_target(name):
+            raise PluginError(f"{config_key}: {exc} Or give a function as 'module:attr'.") from None
+        not_registered = exc
+    try:
+        obj = load_target(name)
+    except (ImportError, AttributeError) as exc:
+        raise PluginError(
+            f"{config_key} {name!r} could not be loaded as 'module:attr' ({type(exc).__name__}: {exc}), "
+            f"nor is it a registered {kind}: {not_registered}"
+        ) from None
+    if not callable(obj):
+        raise PluginError(f"{config_key} {name!r} is not callable")
+    return obj
 
 
 def get_loss(name: str) -> LossFn:
-    return resolve(name, LOSSES, "trainer.loss")
+    """The loss ``trainer.loss`` names: a registered loss or a ``"module:attr"`` function."""
+    return resolve("loss", name, "trainer.loss")
 
 
 def compute_advantages(rewards: list[float], name: str = "grpo") -> list[float]:
@@ -144,7 +162,7 @@ def compute_advantages(rewards: list[float], name: str = "grpo") -> list[float]:
     rewards = [float(r) for r in rewards]
     if not rewards:
         return []
-    out = [float(a) for a in resolve(name, ADVANTAGES, "orchestrator.advantage")(rewards)]
+    out = [float(a) for a in resolve("advantage", name, "orchestrator.advantage")(rewards)]
     if len(out) != len(rewards):
         raise ValueError(f"advantage {name!r} returned {len(out)} values for {len(rewards)} rewards")
     return out

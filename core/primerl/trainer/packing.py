@@ -24,12 +24,14 @@ the last sampled token, so both ``L`` and ``L - 1`` rows are accepted.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from primerl.samples import Sample
 
 
 @dataclass
@@ -110,18 +112,18 @@ def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]
     return bins
 
 
-def pack(samples: Sequence[Mapping[str, Any]], seq_len: int) -> PackedBatch:
-    """Pack rollout samples (the batch-file format of docs/architecture.md) into rows.
+def pack(samples: Sequence[Sample], seq_len: int) -> PackedBatch:
+    """Pack samples (:class:`primerl.samples.Sample`) into rows.
 
-    Required keys: ``tokens``, ``loss_mask``; optional: ``logprobs`` (0), ``advantage``
-    (0), ``temperature`` (1), ``routed_experts`` (None). Samples of fewer than 2 tokens
-    have nothing to predict and are skipped.
+    Read: ``tokens``, ``loss_mask``, ``logprobs`` (None: 0), ``advantage``,
+    ``temperature`` and ``routed_experts`` (used only if every sample has them). Samples
+    of fewer than 2 tokens have nothing to predict and are skipped.
     """
     toks, masks, lps, sizes, keep = [], [], [], [], []
     for idx, s in enumerate(samples):
-        t = _as_list(s["tokens"])
-        m = _as_list(s["loss_mask"])
-        lp = _as_list(s["logprobs"]) if s.get("logprobs") is not None else [0.0] * len(t)
+        t = _as_list(s.tokens)
+        m = _as_list(s.loss_mask)
+        lp = _as_list(s.logprobs) if s.logprobs is not None else [0.0] * len(t)
         if not len(t) == len(m) == len(lp):
             raise ValueError(
                 f"sample {idx}: tokens ({len(t)}), loss_mask ({len(m)}) and logprobs ({len(lp)}) "
@@ -155,7 +157,7 @@ def pack(samples: Sequence[Mapping[str, Any]], seq_len: int) -> PackedBatch:
     temperatures = torch.ones(R, W, dtype=torch.float32)
     sample_index = torch.full((R, W), -1, dtype=torch.long)
 
-    routed = [samples[i].get("routed_experts") for i in keep]
+    routed = [samples[i].routed_experts for i in keep]
     replay = None
     if routed and all(r is not None for r in routed):
         shape = tuple(torch.as_tensor(routed[0]).shape[1:])  # (n_moe_layers, top_k)
@@ -173,8 +175,8 @@ def pack(samples: Sequence[Mapping[str, Any]], seq_len: int) -> PackedBatch:
             segment_ids[r, sl] = seg
             loss_mask[r, sl] = torch.tensor(masks[j][1:], dtype=torch.bool)
             inference_logprobs[r, sl] = torch.tensor(lps[j][1:], dtype=torch.float32)
-            advantages[r, sl] = float(src.get("advantage", 0.0))
-            temperatures[r, sl] = float(src.get("temperature", 1.0))
+            advantages[r, sl] = float(src.advantage)
+            temperatures[r, sl] = float(src.temperature)
             sample_index[r, sl] = keep[j]
             if replay is not None:
                 re = torch.as_tensor(routed[j])

@@ -1,0 +1,1 @@
+"""The ``single`` parallelism strategy: one trainer process, nothing sharded."""

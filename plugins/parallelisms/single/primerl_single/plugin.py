@@ -1,0 +1,9 @@
+"""Entry point module: registers the single-process strategy lazily."""
+
+from primerl import hookimpl
+
+
+@hookimpl
+def register_parallelisms(register):
+    register("single", "primerl_single.strategy:Single",
+             description="One trainer process: the whole model on one device, nothing sharded")

@@ -1,0 +1,56 @@
+"""``single``: the whole model in one process, on a 1-rank mesh; nothing is sharded.
+
+What it does: nothing to the model, builds the optimizer over it, and reports a layout
+with one publishing unit per ``parallel_plan()["fsdp_units"]`` entry (each decoder layer,
+the embeddings, the head) plus the root unit for the rest, so that publishing walks the
+weights in the same units a sharded strategy would gather. A model without
+``parallel_plan()`` is one root unit.
+
+Why it is a plugin like the others: the trainer reaches every strategy through the same
+``primerl.parallel.Parallelism`` contract, so FSDP2 or expert parallel slot in beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from primerl.errors import PrimerlError
+from primerl.parallel import ROOT_UNIT, Parallelized, ParallelLayout, unit_of
+
+
+def publishing_units(model: torch.nn.Module) -> tuple[str, ...]:
+    """``parallel_plan()["fsdp_units"]`` (layers, embeddings, head), then the root unit."""
+    plan = model.parallel_plan() if hasattr(model, "parallel_plan") else {}
+    return (*plan.get("fsdp_units", ()), ROOT_UNIT)
+
+
+class Single:
+    """One process, one mesh dimension ``dp_replicate`` of size 1: the model as it is."""
+
+    name = "single"
+
+    def __init__(self) -> None:
+        self.units: tuple[str, ...] = (ROOT_UNIT,)  # set by parallelize
+
+    def mesh_shape(self, world_size: int) -> dict[str, int]:
+        if world_size != 1:
+            raise PrimerlError(f"trainer.parallelism 'single' runs one process, but the trainer has {world_size} "
+                               f"ranks: choose a strategy that shards, or start one process")
+        return {"dp_replicate": 1}
+
+    def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh,
+                    build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Parallelized:
+        self.units = publishing_units(model)
+        mesh_dims = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+        layout = ParallelLayout(strategy=self.name, mesh=mesh_dims, units=self.units)  # no shards
+        return Parallelized(model, build_optimizer(model), layout)
+
+    def full_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """The model's own tensors (views, no copies), grouped by unit in the layout's order."""
+        parts: dict[str, dict[str, torch.Tensor]] = {unit: {} for unit in self.units}
+        for name, tensor in model.state_dict().items():
+            parts[unit_of(name, self.units)][name] = tensor
+        yield from parts.items()
