@@ -82,3 +82,17 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     text = dump_toml(to_dict(cfg))
     again = load_config(ConfigSources(files=[write(tmp_path, "resolved.toml", text)]))
     assert to_dict(again) == to_dict(cfg)
+
+
+@pytest.mark.parametrize("key,kind", [("inference.router", "router"), ("inference.kv_store", "kv_store"),
+                                      ("inference.backend", "inference_backend"), ("launcher.name", "launcher"),
+                                      ("trainer.parallelism", "parallelism"), ("trainer.loss", "loss"),
+                                      ("orchestrator.advantage", "advantage")])
+def test_a_key_naming_a_plugin_that_is_not_installed_fails_at_once(key, kind):
+    with pytest.raises(ConfigError, match=rf"{key} = 'nope' \(from the command line.*no {kind} named 'nope'"):
+        load_config(ConfigSources(overrides=[(key, "nope")]))
+
+
+def test_a_loss_or_advantage_may_be_any_function_given_as_module_attr():
+    cfg = load_config(ConfigSources(overrides=[("orchestrator.advantage", "my_pkg.adv:rloo")]))
+    assert cfg.orchestrator.advantage == "my_pkg.adv:rloo"  # imported by the process that uses it
