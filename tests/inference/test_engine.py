@@ -4,10 +4,10 @@ import time
 
 import pytest
 import torch
+from primerl_embedded.engine import Engine, RequestError, SamplingParams
 
 from primerl.models import ModelConfig
 from primerl.registry import get_registry
-from primerl_embedded.engine import Engine, RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_slots_stay_compact_through_finishes_aborts_and_prefix_reuse(setup):
                     eng.abort(doomed)
                 running = [s.slot for s in eng.running]
                 assert running == list(range(len(running)))
-                idle = set(eng.prefix_cache)
+                idle = set(eng.kv_store.slots())
                 assert not idle & eng.free_slots and not idle & set(running)
                 assert idle | eng.free_slots | set(running) == set(range(eng.kv_slots))
     finally:

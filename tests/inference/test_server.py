@@ -173,3 +173,54 @@ def test_tools_are_rendered_into_the_prompt(server):
     assert '<|assistant|>\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><|observation|>\n2' in text
     r = httpx.post(server + "/v1/chat/completions", json={"messages": messages, "tools": [{"type": "function", "function": {}}]})
     assert r.status_code == 400 and "name" in r.json()["error"]["message"]
+
+
+def test_responses_carry_the_backend_contract_fields(server, tmp_path):
+    """Every record of primerl.inference (what the orchestrator reads from any backend) is
+    in the embedded server's answers, with nothing unaccounted for where the record is closed."""
+    from primerl import inference as api
+
+    def check(record, obj, closed=True):
+        assert set(record.__required_keys__) <= set(obj), (record.__name__, sorted(obj))
+        if closed:
+            assert set(obj) <= set(record.__required_keys__) | set(record.__optional_keys__), record.__name__
+
+    body = {"max_tokens": 3, "logprobs": 1, "return_routed_experts": True, "n": 2, "seed": 0}
+    comp = httpx.post(server + api.COMPLETIONS, json={**body, "prompt": "hi"}, timeout=60).json()
+    check(api.CompletionResponse, comp)
+    check(api.Usage, comp["usage"])
+    for c in comp["choices"]:
+        check(api.CompletionChoice, c)
+        check(api.CompletionLogprobs, c["logprobs"])
+        check(api.RoutedExperts, c["routed_experts"])
+        assert c["routed_experts"]["shape"][0] == len(c["prompt_token_ids"]) + len(c["token_ids"]) - 1
+        assert len(c["policy_versions"]) == len(c["token_ids"]) == len(c["logprobs"]["token_logprobs"])
+    chat = httpx.post(server + api.CHAT_COMPLETIONS, json={**body, "logprobs": True, "top_logprobs": 1,
+                                                           "messages": [{"role": "user", "content": "hi"}]},
+                      timeout=60).json()
+    check(api.ChatCompletionResponse, chat)
+    for c in chat["choices"]:
+        check(api.ChatChoice, c)
+        check(api.ChatMessage, c["message"])
+        check(api.ChatTokenLogprob, c["logprobs"]["content"][0])
+        check(api.TopLogprob, c["logprobs"]["content"][0]["top_logprobs"][0])
+        assert c["routed_experts"]["shape"][0] == len(chat["prompt_token_ids"]) + len(c["token_ids"]) - 1
+    check(api.Health, httpx.get(server + api.HEALTH).json())
+    check(api.AdminStatus, httpx.get(server + api.ADMIN_STATUS).json())
+    check(api.PauseResponse, httpx.post(server + api.ADMIN_RESUME).json())
+    check(api.TokenizeResponse, httpx.post(server + api.TOKENIZE, json={"prompt": "hi"}).json())
+    bad = httpx.post(server + api.ADMIN_WEIGHTS, json={"path": str(tmp_path / "none")})
+    check(api.ErrorResponse, bad.json())
+    check(api.ErrorBody, bad.json()["error"])
+
+
+def test_the_embedded_backend_is_an_inference_backend():
+    import inspect
+
+    from primerl.inference import InferenceBackend
+    from primerl.registry import get_registry
+
+    backend = get_registry().load("inference_backend", "embedded")
+    for name in ("serve",):
+        assert list(inspect.signature(getattr(backend, name)).parameters)[1:] == \
+            list(inspect.signature(getattr(InferenceBackend, name)).parameters)[1:]

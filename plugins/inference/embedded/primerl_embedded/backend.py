@@ -1,4 +1,9 @@
-"""The ``embedded`` inference backend: build model + engine from a run config and serve it."""
+"""The ``embedded`` inference backend: build model + engine from a run config and serve it.
+
+:class:`EmbeddedBackend` is a :class:`primerl.inference.InferenceBackend`: ``primerl
+inference`` calls ``EmbeddedBackend().serve(cfg)``. The engine's KV store is the
+``inference.kv_store`` plugin (default ``memory``), resolved through the registry.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from primerl.config import RunConfig
 
 
 class EmbeddedBackend:
-    """Serves the selected model plugin with primerl's own engine."""
+    """Serves the selected model plugin with primerl's own engine (an ``InferenceBackend``)."""
 
     def build(self, cfg: RunConfig) -> tuple[Any, Any, Any]:
         """(engine, tokenizer, adapter) for ``cfg``; the engine is not started."""
@@ -26,8 +31,9 @@ class EmbeddedBackend:
             model_cfg = attrs.evolve(model_cfg, dtype=cfg.inference.dtype)
         model = adapter.build(model_cfg)
         tokenizer = adapter.tokenizer(model_cfg)
-        layout = adapter.moe_layout(model_cfg) if hasattr(adapter, "moe_layout") else {}
+        layout = adapter.moe_layout(model_cfg)
         eos = tokenizer.eos_token_id
+        kv_store = get_registry().load("kv_store", cfg.inference.kv_store)()
         engine = Engine(
             model,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
@@ -35,6 +41,7 @@ class EmbeddedBackend:
             max_model_len=cfg.inference.max_model_len,
             kv_slots=cfg.inference.kv_slots,
             num_experts=layout.get("num_experts"),
+            kv_store=kv_store,
         )
         engine.decode = lambda ids: tokenizer.decode(ids)
         return engine, tokenizer, adapter

@@ -11,25 +11,32 @@ How it works. One thread owns the model and loops over :meth:`Engine.step`:
 
 1. apply a pending weight update, if any (between steps, so in-flight sequences carry
    on with the new weights; each later token records the new version);
-2. admit waiting sequences into free KV slots, reusing the longest cached prefix (a
-   multi-turn episode's earlier turns, or the prompt of a sibling when ``n > 1``);
+2. admit waiting sequences into free KV slots, reusing the longest cached prefix the KV
+   store holds (a multi-turn episode's earlier turns) or a sibling's prompt (``n > 1``);
 3. run one forward for the decode rows (one new token each) and one or a few for the
    prefill rows (a prompt's uncached tokens; prompts of very different lengths are split
    by length, which pads less: :func:`prefill_groups`), all ragged via per-row lengths
    and past lengths;
 4. sample a token per row (temperature, top-k, top-p, per-request seed), record its
    log-probability, version and routed experts, and retire finished sequences, whose
-   slots stay cached for prefix reuse until they are needed.
+   slots go to the KV store (:class:`primerl.kv_stores.KVStore`, the ``inference.kv_store``
+   plugin; ``memory`` keeps them in place for prefix reuse until the slot is needed).
+
+A request that asks for its prompt's log-probabilities (``echo`` with ``logprobs``, as
+lm-evaluation-harness scores multiple choice) is prefilled from scratch in a forward of its
+own that returns the logits of every position; ``max_tokens=0`` then generates nothing.
 
 Slots stay compact: the i-th running sequence holds slot i (a sequence that finishes
 swaps slots with the last running one; a new one takes the first slot after them), so
 every forward's slots are consecutive and the model reads the cache in place instead of
 gathering every row's keys at every step (vLLM's persistent batch condenses the same
-way). Idle cached prefixes and free slots live above the running ones.
+way). Idle cached prefixes and free slots live above the running ones: the KV store moves
+an idle prefix out of a slot the running batch needs (:meth:`KVStore.vacate`).
 
 The model contract (see the model plugins): ``model(input_ids [B,S], positions [B,S],
 lengths [B], cache=, slots=, past_lens=, logits_for="last")`` returning ``.logits [B,V]``
-and ``.routed_experts [B,S,L,k]`` (or None for dense models), and
+(``[B,S,V]`` with ``logits_for="all"``, which only prompt scoring asks for) and
+``.routed_experts [B,S,L,k]`` (or None for dense models), and
 ``model.new_cache(num_slots, max_len)`` with ``copy_prefix(src, dst, n)`` (skipped when
 the cache says ``supports_prefix_reuse = False``: recurrent layers such as Mamba keep a
 state only at a slot's full length). See :mod:`primerl.models.decoder`.
@@ -40,14 +47,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 
 import attrs
 import torch
 
 from primerl.errors import PrimerlError
-from primerl.sampling import sample
+from primerl.kv_stores import KVStore, PrefixHit, SlotPool
+from primerl.sampling import sample, scale
 
 
 class RequestError(PrimerlError):
@@ -56,7 +64,7 @@ class RequestError(PrimerlError):
 
 @attrs.define(kw_only=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: prefill only (the prompt is scored when prompt_logprobs is set)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -66,6 +74,7 @@ class SamplingParams:
     stop_token_ids: list[int] = attrs.Factory(list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token only; k: also the top-k alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
     return_routed_experts: bool = False
 
 
@@ -80,6 +89,9 @@ class Sequence:
     output_ids: list[int] = attrs.Factory(list)
     logprobs: list[float] = attrs.Factory(list)
     top_logprobs: list[dict[int, float]] = attrs.Factory(list)
+    # with params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     versions: list[int] = attrs.Factory(list)  # policy version that produced each output token
     routed: list[torch.Tensor] = attrs.Factory(list)  # chunks [n_tokens, L, k] in token order
     finish_reason: str | None = None
@@ -93,6 +105,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether this sequence computes its prompt's logprobs (a sibling shares its leader's)."""
+        return self.params.prompt_logprobs is not None and self.leader is None
 
     def routed_experts(self) -> torch.Tensor | None:
         """[tokens processed, L, k] routed expert ids (uint8, or int16 above 255 experts)."""
@@ -122,7 +139,10 @@ class Engine:
         kv_slots: int = 128,
         max_prefill_tokens: int = 4096,
         num_experts: int | None = None,
+        kv_store: KVStore | None = None,
     ):
+        """``kv_store``: where finished sequences' KV goes for prefix reuse (None: the registry's
+        ``memory`` store, the ``inference.kv_store`` default)."""
         if kv_slots < max_batch_size:
             raise ValueError(f"kv_slots ({kv_slots}) must be >= max_batch_size ({max_batch_size})")
         self.model = model.eval()
@@ -137,9 +157,15 @@ class Engine:
         self.param = next(model.parameters())
         self.cache = model.new_cache(kv_slots, max_model_len)
         self.kv_slots = kv_slots
-        self.free_slots: set[int] = set(range(kv_slots))
-        self.prefix_cache: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # idle slot -> its tokens, LRU first
-        self.prefix_routed: dict[int, list[torch.Tensor]] = {}
+        self.slots = SlotPool(self.cache, kv_slots)
+        if kv_store is None:
+            from primerl.registry import get_registry
+
+            kv_store = get_registry().load("kv_store", "memory")()
+        self.kv_store: KVStore = kv_store
+        self.kv_store.bind(self.slots)
+        # recurrent layers (Mamba) keep a state only at a slot's full length: no prefix to reuse
+        self.prefix_reuse = getattr(self.cache, "supports_prefix_reuse", True)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.version = 0
@@ -179,8 +205,8 @@ class Engine:
             raise RequestError("the prompt is empty")
         if vocab is not None and any(t < 0 or t >= vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        if params.max_tokens < 1:
-            raise RequestError("max_tokens must be >= 1")
+        if params.max_tokens < 0:
+            raise RequestError("max_tokens must be >= 0")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -194,6 +220,8 @@ class Engine:
             raise RequestError("top_p must be in (0, 1]")
         if params.logprobs is not None and not 0 <= params.logprobs <= 20:
             raise RequestError("logprobs must be between 0 and 20")
+        if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= 20:
+            raise RequestError("prompt logprobs must be between 0 and 20")
 
     def update_weights(self, apply: Callable[[], None], version: int | None = None, wait: bool = True) -> int:
         """Run ``apply`` (which copies new weights into the model) between two steps."""
@@ -256,14 +284,18 @@ class Engine:
     def running_in_thread(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def free_slots(self) -> set[int]:
+        """Slots holding nothing (neither a running sequence nor the KV store's idle prefixes)."""
+        return self.slots.free
+
     def reset_prefix_cache(self) -> None:
         """Forget every idle cached prefix (call between steps, as weight updates do)."""
-        for slot in list(self.prefix_cache):
-            self._release(slot)
+        self.kv_store.clear()
 
     def kv_usage(self) -> float:
         """Share of KV slots held by running sequences (idle cached prefixes count as free)."""
-        busy = self.kv_slots - len(self.free_slots) - len(self.prefix_cache)
+        busy = self.kv_slots - len(self.slots.free) - len(self.kv_store.slots())
         return busy / self.kv_slots
 
     def has_work(self) -> bool:
@@ -319,57 +351,19 @@ class Engine:
             self._admit()
             decode = [s for s in self.running if len(s.tokens) - s.cached == 1]
             prefill = [s for s in self.running if len(s.tokens) - s.cached > 1]
+            scored = [s for s in prefill if s.scores_prompt and s.prompt_logprobs is None]
+            if scored:  # each in a forward of its own: the logits of every position are [S, V]
+                prefill = [s for s in prefill if s not in scored]
             if decode:
                 self._forward(decode)
             for group in prefill_groups(prefill, self.prefill_group_cost):
                 self._forward(group)
+            for s in scored:
+                self._forward([s], score_prompt=True)
         self.stats.steps += 1
         self.stats.last_batch_size = len(self.running)
 
     # ---- scheduling: slot i holds the i-th running sequence ----------------------------
-    def _release(self, slot: int) -> None:
-        self.prefix_cache.pop(slot, None)
-        self.prefix_routed.pop(slot, None)
-        self.free_slots.add(slot)
-
-    def _used_len(self, slot: int) -> int:
-        """Positions of ``slot`` that hold something worth keeping (an idle prefix's tokens)."""
-        return len(self.prefix_cache.get(slot, ()))
-
-    def _move_idle(self, src: int, dst: int) -> None:
-        """Move the idle prefix in ``src`` to the free slot ``dst``; ``src`` becomes free."""
-        self.cache.copy_prefix(src, dst, self._used_len(src))
-        self.free_slots.discard(dst)
-        self.prefix_cache = OrderedDict((dst if k == src else k, v) for k, v in self.prefix_cache.items())
-        if src in self.prefix_routed:
-            self.prefix_routed[dst] = self.prefix_routed.pop(src)
-        self.free_slots.add(src)
-
-    def _vacate(self, slot: int, keep: int | None) -> None:
-        """Make ``slot`` free. An idle prefix there moves to a free slot; with none free, the
-        least recently used prefix other than ``keep`` is evicted first (which may be the
-        one in ``slot``: then it is simply dropped)."""
-        if slot not in self.prefix_cache:
-            return
-        if not self.free_slots:
-            victim = next(k for k in self.prefix_cache if k != keep)  # ``slot`` itself qualifies
-            self._release(victim)
-            if victim == slot:
-                return
-        self._move_idle(slot, min(self.free_slots))
-
-    def _best_prefix(self, tokens: list[int]) -> tuple[int | None, int]:
-        best, best_len = None, 0
-        for slot, cached in self.prefix_cache.items():
-            n = 0
-            for a, b in zip(cached, tokens):
-                if a != b:
-                    break
-                n += 1
-            if n > best_len:
-                best, best_len = slot, n
-        return best, best_len
-
     def _admit(self) -> None:
         budget = self.max_prefill_tokens
         with self._lock:
@@ -387,53 +381,58 @@ class Engine:
 
     def _place(self, seq: Sequence, slot: int) -> None:
         """Give ``seq`` the slot after the running ones, with the longest cached prefix of its
-        prompt in it (keep >= 1 token to run): an idle prefix already in that slot is taken
-        over; one elsewhere, or a running sibling's prompt, is copied."""
+        prompt in it (keep >= 1 token to run): a running sibling's prompt is copied; else the
+        KV store's longest match is handed over (it is already in that slot) or loaded. A
+        sequence that scores its prompt reuses nothing: every prompt position must run."""
         limit = len(seq.prompt_ids) - 1
-        src, n, routed = None, 0, []
-        if getattr(self.cache, "supports_prefix_reuse", True):  # recurrent state exists only at full length
-            if seq.leader is not None and seq.leader.finish_reason is None and seq.leader.slot >= 0:
-                src, n, routed = seq.leader.slot, limit, seq.leader.routed
+        leader = seq.leader
+        if leader is not None and leader.prompt_logprobs is not None:  # echo, n > 1: scored once
+            seq.prompt_logprobs, seq.prompt_top_logprobs = leader.prompt_logprobs, leader.prompt_top_logprobs
+        elif seq.scores_prompt and limit == 0:  # nothing predicts a one-token prompt's only token
+            seq.prompt_logprobs, seq.prompt_top_logprobs = [None], [None]
+        hit: PrefixHit | None = None
+        sibling, n = None, 0
+        if self.prefix_reuse and limit > 0 and not seq.scores_prompt:
+            if leader is not None and leader.finish_reason is None and leader.slot >= 0:
+                sibling, n = leader, limit
             else:
-                src, n = self._best_prefix(seq.prompt_ids)
-                n = min(n, limit)
-                routed = self.prefix_routed.get(src, []) if src is not None else []
-        if src is None or n <= 0:
-            src, n = None, 0
-        if src == slot:  # the prefix is already where the sequence goes
-            self.prefix_cache.pop(slot)
-            self.prefix_routed.pop(slot, None)
-        else:
-            if src is not None and src in self.prefix_cache:
-                self.prefix_cache.move_to_end(src)
-            self._vacate(slot, keep=src)
-            self.free_slots.discard(slot)
-            if src is not None:
-                self.cache.copy_prefix(src, slot, n)
+                hit = self.kv_store.lookup(seq.prompt_ids)
+                n = min(hit.length, limit) if hit is not None else 0
+                hit = hit if n > 0 else None
+        if hit is None or hit.slot != slot:
+            self.kv_store.vacate(slot, keep=hit)
+            self.slots.acquire(slot)
         seq.slot = slot
-        if n:
-            seq.cached = n
-            seq.routed = _take_rows(routed, n)
-            self.stats.prefix_hit_tokens += n
+        if sibling is not None:
+            self.slots.copy(sibling.slot, slot, n)
+            routed = _take_rows(sibling.routed, n)
+        elif hit is not None:
+            routed = self.kv_store.load(hit, slot, n)
+        else:
+            return
+        seq.cached = n
+        seq.routed = routed
+        self.stats.prefix_hit_tokens += n
 
     def _retire(self, seq: Sequence, *, keep_prefix: bool) -> None:
         """Take a finished sequence out of the running batch; the last running sequence
         moves into its slot, so slots stay compact. Its KV (all tokens but the last, which
-        was never run) stays cached for prefix reuse when ``keep_prefix``."""
+        was never run) goes to the KV store when ``keep_prefix``."""
         i, last = seq.slot, self.running.pop()
         if last is not seq:
             self.cache.swap(i, last.slot, max(seq.cached, last.cached))
             seq.slot, last.slot = last.slot, i
             self.running[i] = last
-        if keep_prefix and getattr(self.cache, "supports_prefix_reuse", True):
-            self.free_slots.discard(seq.slot)
-            self.prefix_cache[seq.slot] = tuple(seq.tokens[: seq.cached])
-            self.prefix_routed[seq.slot] = list(seq.routed)
+        if keep_prefix and self.prefix_reuse:
+            self.kv_store.keep(seq.slot, seq.tokens[: seq.cached], seq.routed)
         else:
-            self._release(seq.slot)
+            self.slots.release(seq.slot)
 
     # ---- running the model ------------------------------------------------------------
-    def _forward(self, seqs: list[Sequence]) -> None:
+    def _forward(self, seqs: list[Sequence], score_prompt: bool = False) -> None:
+        """One forward over ``seqs``' uncached tokens, then a sampled token per row. With
+        ``score_prompt`` (one row, its whole prompt uncached) the logits of every position
+        also give the prompt's log-probabilities."""
         device = self.param.device
         chunks = [s.tokens[s.cached:] for s in seqs]
         lens = [len(c) for c in chunks]
@@ -449,9 +448,12 @@ class Engine:
             cache=self.cache,
             slots=slots if slot_ids == list(slots) else torch.tensor(slot_ids, device=device),
             past_lens=past.to(device),
-            logits_for="last",
+            logits_for="all" if score_prompt else "last",
         )
         logits = out.logits  # [B, V]
+        if score_prompt:  # [1, S, V]: every position's logits
+            self._score_prompt(seqs[0], logits[0])
+            logits = logits[:, -1]
         routed = getattr(out, "routed_experts", None)  # [B, S, L, k] or None
         params = [s.params for s in seqs]
         tokens, logps, logp_all = sample(
@@ -474,6 +476,8 @@ class Engine:
             if routed is not None:
                 s.routed.append(routed[i] if n_new == width else routed[i][:n_new])
             s.cached += n_new
+            if not s.params.max_tokens:  # prefill only (echo scoring): nothing is sampled
+                continue
             s.output_ids.append(tokens_l[i])
             s.logprobs.append(logps_l[i])
             s.versions.append(self.version)
@@ -486,12 +490,36 @@ class Engine:
         for s in seqs:  # after every row's ``cached`` is current: retiring swaps slots by cached length
             self._check_finished(s)
 
+    def _score_prompt(self, s: Sequence, logits: torch.Tensor) -> None:
+        """The log-probability of every prompt token after the first, from ``logits`` [P, V],
+        under the request's temperature exactly as sampled tokens are scored
+        (:mod:`primerl.sampling`: ``log_softmax(scale(logits, T))``, float32, T = 0 scored at 1),
+        plus the top-k alternatives when asked. In chunks of positions, to bound memory."""
+        p, k = s.params, s.params.prompt_logprobs
+        targets = torch.tensor(s.prompt_ids[1:], device=logits.device)
+        values: list[float | None] = [None]
+        tops: list[dict[int, float] | None] = [None]
+        for a in range(0, len(targets), 256):
+            logp = torch.log_softmax(scale(logits[a : a + 256][: len(targets) - a], p.temperature), dim=-1)
+            values += logp.gather(-1, targets[a : a + 256, None]).squeeze(-1).tolist()
+            if k:
+                top = logp.topk(k)
+                tops += [dict(zip(ix, v)) for ix, v in zip(top.indices.tolist(), top.values.tolist())]
+        s.prompt_logprobs = values
+        s.prompt_top_logprobs = tops if k else None
+
     def _check_finished(self, s: Sequence) -> None:
-        tok = s.output_ids[-1]
         p = s.params
-        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-            s.finish_reason = "stop"
-        elif p.stop and self._hit_stop_string(s):
+        if not s.output_ids:  # max_tokens=0: the prompt is in the cache (and scored); done
+            s.finish_reason = "length"
+            self.stats.prompt_tokens += len(s.prompt_ids)
+            self._retire(s, keep_prefix=True)
+            if s.on_done is not None:
+                s.on_done(s)
+            return
+        tok = s.output_ids[-1]
+        if ((tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids
+                or (p.stop and self._hit_stop_string(s))):
             s.finish_reason = "stop"
         elif len(s.output_ids) >= p.max_tokens or len(s.tokens) >= self.max_model_len:
             s.finish_reason = "length"

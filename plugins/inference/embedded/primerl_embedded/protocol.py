@@ -7,6 +7,9 @@ response carries the token ids of prompt and completion (``prompt_token_ids``,
 ``token_ids``) and the policy version of every generated token (``policy_versions``), so
 training is token-exact.
 
+``echo`` on completions is OpenAI's: the prompt's text before the completion's and, with
+``logprobs``, its tokens' log-probabilities (the first is null) before the completion's.
+
 Beyond OpenAI, what vLLM serves and RL libraries use (verifiers' token client, prime-rl):
 ``return_token_ids`` and ``chat_template_kwargs`` on chat requests, ``POST
 /v1/chat/completions/tokens`` (a chat request whose prompt is given as ``tokens``, so a
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 
 class _Sampling(BaseModel):
@@ -50,15 +53,16 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0 only with echo: the prompt is scored and nothing generated (how lm-eval-style scoring may ask)
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt's text (and with logprobs its tokens' logprobs) before the completion's
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported; the prompt's token ids are returned as prompt_token_ids")
-        return v
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 only with echo: the prompt is scored, nothing generated)")
+        return self
 
 
 class ChatMessage(BaseModel):

@@ -5,11 +5,22 @@ Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/hea
 (``/v1/chat/completions/tokens``, ``/tokenize``, ``/detokenize``); and the admin
 endpoints a trainer or launcher calls: ``POST /admin/weights`` (``{"path": DIR_OR_FILE, "version": N}``, an HF safetensors
 checkpoint directory, or one safetensors file in /dev/shm for the co-located channel),
-``POST /admin/pause``, ``POST /admin/resume`` and ``GET /admin/status``.
+``POST /admin/pause``, ``POST /admin/resume`` and ``GET /admin/status``. The response
+records are :mod:`primerl.inference`'s, the contract every backend keeps.
+
+``/v1/completions`` with ``echo: true`` returns the prompt's text before the completion's
+and, with ``logprobs``, a log-probability for every prompt token after the first (the
+first is null, as OpenAI and vLLM answer), computed by the engine from the same forward
+and the same function as sampled tokens; ``max_tokens: 0`` then scores the prompt alone.
+That is what lm-evaluation-harness's loglikelihood (multiple-choice) tasks send.
 
 Malformed or oversized requests get a 4xx with OpenAI's error shape and a reason; the
 server stays up. Handlers never touch the model: they hand work to the engine thread
 and await the result.
+
+Layout: :class:`Handlers` holds the server's state (engine, tokenizer, weight loader) and
+has one method per endpoint plus the helpers that shape responses; :func:`create_app`
+wires them into a FastAPI app with the error handlers.
 """
 
 from __future__ import annotations
@@ -19,8 +30,8 @@ import base64
 import json
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from primerl import inference as api
 from primerl.envs.multiturn import split_tool_calls
 from primerl_embedded.engine import Engine, RequestError, SamplingParams, Sequence
 from primerl_embedded.protocol import (
@@ -46,38 +58,31 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": status}})
 
 
-def create_app(engine: Engine, tokenizer: Any, model_name: str,
-               load_weights: Callable[[str], Any] | None = None) -> FastAPI:
-    """The app. ``load_weights(path)`` prepares a checkpoint (outside the engine's step gap) and
-    returns a callable that copies it into the served model (run by the engine between steps)."""
-    if load_weights is None:
+class Handlers:
+    """The endpoints of one server, as methods over its state.
+
+    ``load_weights(path)`` prepares a checkpoint (outside the engine's step gap) and returns
+    a callable that copies it into the served model (run by the engine between steps).
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Any, model_name: str,
+                 load_weights: Callable[[str], Callable[[], Any]] | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.load_weights = load_weights or self._stage_and_adopt
+        self.started = time.time()
+
+    def _stage_and_adopt(self, path: str) -> Callable[[], Any]:
         from primerl.weights import adopt, stage
 
-        def load_weights(path: str) -> Callable[[], Any]:
-            pairs = stage(engine.model, path, writable=True)
-            return lambda: adopt(pairs)
+        pairs = stage(self.engine.model, path, writable=True)
+        return lambda: adopt(pairs)
 
-    app = FastAPI(title="primerl embedded inference")
-    started = time.time()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg")), loc or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error(exc.status_code, str(exc.detail))
-
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return error(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES}")
-        return await call_next(request)
-
-    async def run(prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
+    # ---- running requests on the engine ------------------------------------------------------
+    async def run(self, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """Submit one prompt's ``params.n`` sequences and wait for all of them; a cancelled
+        request (the client went away, the server is stopping) aborts them."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         remaining = [params.n]
@@ -87,130 +92,154 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
             if remaining[0] == 0:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
 
-        seqs = engine.submit(prompt_ids, params, on_done=done)
+        seqs = self.engine.submit(prompt_ids, params, on_done=done)
         try:
             await fut
         except asyncio.CancelledError:
-            engine.abort(seqs)  # the client went away (or the server is stopping)
+            self.engine.abort(seqs)
             raise
         return seqs
 
-    def params_from(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    @staticmethod
+    def params_from(req: Any, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
-            max_tokens=max_tokens or 16, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            seed=req.seed, n=req.n, stop=req.stop_list(), stop_token_ids=req.stop_token_ids or [],
-            ignore_eos=req.ignore_eos, logprobs=logprobs, return_routed_experts=req.return_routed_experts,
+            max_tokens=16 if max_tokens is None else max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, seed=req.seed, n=req.n, stop=req.stop_list(), stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            return_routed_experts=req.return_routed_experts,
         )
 
-    def text_of(seq: Sequence) -> str:
-        text = tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        if seq.stop_text_at is not None:
-            text = tokenizer.decode(seq.output_ids)[: seq.stop_text_at]
-        return text
+    # ---- shaping responses -------------------------------------------------------------------
+    def piece(self, tok: int) -> str:
+        return self.tokenizer.decode([tok])
 
-    def extras(seq: Sequence) -> dict[str, Any]:
-        out: dict[str, Any] = {"token_ids": seq.output_ids, "policy_versions": seq.versions}
+    def text_of(self, seq: Sequence) -> str:
+        if seq.stop_text_at is not None:
+            return self.tokenizer.decode(seq.output_ids)[: seq.stop_text_at]
+        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+
+    @staticmethod
+    def token_fields(seq: Sequence) -> api.TokenFields:
+        out = api.TokenFields(token_ids=seq.output_ids, policy_versions=seq.versions)
         if seq.params.return_routed_experts:
             routed = seq.routed_experts()
             if routed is not None:  # vLLM's layout: data first, rows from token `start` of the prompt
-                out["routed_experts"] = {
-                    "data": base64.b64encode(routed.contiguous().numpy().tobytes()).decode(),
-                    "shape": list(routed.shape), "dtype": str(routed.dtype).replace("torch.", ""), "start": 0,
-                }
+                out["routed_experts"] = api.RoutedExperts(
+                    data=base64.b64encode(routed.contiguous().numpy().tobytes()).decode(),
+                    shape=list(routed.shape), dtype=str(routed.dtype).replace("torch.", ""), start=0,
+                )
         return out
 
-    def piece(tok: int) -> str:
-        return tokenizer.decode([tok])
-
-    def usage(prompt_len: int, seqs: list[Sequence]) -> dict[str, int]:
+    @staticmethod
+    def usage(prompt_len: int, seqs: list[Sequence]) -> api.Usage:
         completion = sum(len(s.output_ids) for s in seqs)
-        return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+        return api.Usage(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "policy_version": engine.version, "paused": engine.paused}
+    def completion_logprobs(self, seq: Sequence, top: int, echo: bool) -> api.CompletionLogprobs:
+        """OpenAI's legacy shape over the choice's tokens: the prompt's first (with ``echo``),
+        whose first token has no log-probability, then the generated ones."""
+        ids, lps, tops = list(seq.output_ids), list(seq.logprobs), list(seq.top_logprobs)
+        if echo:
+            ids = seq.prompt_ids + ids
+            lps = list(seq.prompt_logprobs or [None] * len(seq.prompt_ids)) + lps
+            tops = list(seq.prompt_top_logprobs or [None] * len(seq.prompt_ids)) + tops
+        tokens = [self.piece(t) for t in ids]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return api.CompletionLogprobs(
+            tokens=tokens, token_logprobs=lps, text_offset=offsets,
+            top_logprobs=[None if d is None else {self.piece(k): v for k, v in d.items()} for d in tops]
+            if top else None,
+        )
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(started),
-                                            "owned_by": "primerl", "max_model_len": engine.max_model_len}]}
+    def chat_logprobs(self, seq: Sequence) -> api.ChatLogprobs:
+        content = []
+        for j, (tok, val) in enumerate(zip(seq.output_ids, seq.logprobs)):
+            alts = seq.top_logprobs[j] if j < len(seq.top_logprobs) else {}
+            content.append(api.ChatTokenLogprob(
+                token=self.piece(tok), logprob=val, bytes=list(self.piece(tok).encode()),
+                top_logprobs=[api.TopLogprob(token=self.piece(k), logprob=v, bytes=list(self.piece(k).encode()))
+                              for k, v in alts.items()],
+            ))
+        return api.ChatLogprobs(content=content)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
-        prompts: list[list[int]]
-        p = req.prompt
-        if isinstance(p, str):
-            prompts = [tokenizer.encode(p, add_special_tokens=False)]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]  # type: ignore[arg-type]
-        elif p and all(isinstance(x, str) for x in p):
-            prompts = [tokenizer.encode(x, add_special_tokens=False) for x in p]  # type: ignore[union-attr]
-        elif p and all(isinstance(x, list) for x in p):
-            prompts = [list(x) for x in p]  # type: ignore[union-attr]
-        else:
-            return error(400, "prompt must be a non-empty string, list of strings, or token id list(s)", "prompt")
-        params = params_from(req, req.max_tokens, req.logprobs)
-        try:
-            for ids in prompts:
-                engine.validate(ids, params)
-            results = await asyncio.gather(*(run(ids, params) for ids in prompts))
-        except RequestError as exc:
-            return error(400, str(exc))
-        choices = []
-        for ids, seqs in zip(prompts, results):
-            for seq in seqs:
-                choice: dict[str, Any] = {"index": len(choices), "text": text_of(seq), "finish_reason": seq.finish_reason,
-                                          "prompt_token_ids": ids, **extras(seq)}
-                if req.logprobs is not None:
-                    tokens = [piece(t) for t in seq.output_ids]
-                    offsets, pos = [], 0
-                    for t in tokens:
-                        offsets.append(pos)
-                        pos += len(t)
-                    choice["logprobs"] = {
-                        "tokens": tokens, "token_logprobs": seq.logprobs, "text_offset": offsets,
-                        "top_logprobs": [{piece(k): v for k, v in d.items()} for d in seq.top_logprobs]
-                        if req.logprobs else None,
-                    }
-                else:
-                    choice["logprobs"] = None
-                choices.append(choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name, "choices": choices,
-                "usage": usage(sum(len(i) for i in prompts) , [s for r in results for s in r])}
-
-    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
                template_kwargs: dict[str, Any] | None) -> list[int]:
         """Token ids of a conversation through the chat template; ValueError names what failed."""
         try:
-            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                tokenize=True, return_dict=False, **(template_kwargs or {}))
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=False, **(template_kwargs or {}))
+        except Exception as exc:
             raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    async def chat_completion(req: ChatCompletionRequest, ids: list[int]) -> Any:
-        top = req.top_logprobs if req.logprobs else None
-        params = params_from(req, req.max_completion_tokens or req.max_tokens, (top or 0) if req.logprobs else None)
+    def prompts_of(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+        """Token ids of each prompt of a completion request, and its text when given as text
+        (echo returns it verbatim); ValueError when the prompt is none of the accepted shapes."""
+        p, enc = req.prompt, self.tokenizer.encode
+        if isinstance(p, str):
+            return [enc(p, add_special_tokens=False)], [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)], [None]  # type: ignore[arg-type]
+        if p and all(isinstance(x, str) for x in p):
+            return [enc(x, add_special_tokens=False) for x in p], list(p)  # type: ignore[arg-type]
+        if p and all(isinstance(x, list) for x in p):
+            return [list(x) for x in p], [None] * len(p)  # type: ignore[union-attr]
+        raise ValueError("prompt must be a non-empty string, list of strings, or token id list(s)")
+
+    # ---- OpenAI API --------------------------------------------------------------------------
+    async def health(self) -> api.Health:
+        return api.Health(status="ok", policy_version=self.engine.version, paused=self.engine.paused)
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(self.started),
+                                            "owned_by": "primerl", "max_model_len": self.engine.max_model_len}]}
+
+    async def completions(self, req: CompletionRequest) -> Any:
         try:
-            seqs = await run(ids, params)
+            prompts, texts = self.prompts_of(req)
+        except ValueError as exc:
+            return error(400, str(exc), "prompt")
+        # echo + logprobs: the engine scores the prompt (a logprob per token after the first)
+        params = self.params_from(req, req.max_tokens, req.logprobs,
+                                  prompt_logprobs=req.logprobs if req.echo else None)
+        try:
+            for ids in prompts:
+                self.engine.validate(ids, params)
+            results = await asyncio.gather(*(self.run(ids, params) for ids in prompts))
         except RequestError as exc:
             return error(400, str(exc))
-        choices = []
+        choices: list[api.CompletionChoice] = []
+        for ids, text, seqs in zip(prompts, texts, results):
+            for seq in seqs:
+                out = self.text_of(seq)
+                if req.echo:
+                    out = (text if text is not None else self.tokenizer.decode(ids)) + out
+                choices.append(api.CompletionChoice(
+                    index=len(choices), text=out, finish_reason=seq.finish_reason,
+                    logprobs=self.completion_logprobs(seq, req.logprobs, req.echo) if req.logprobs is not None else None,
+                    prompt_token_ids=ids, **self.token_fields(seq),
+                ))
+        return api.CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()), model=self.model_name,
+            choices=choices, usage=self.usage(sum(len(i) for i in prompts), [s for r in results for s in r]))
+
+    async def chat_completion(self, req: ChatCompletionRequest, ids: list[int]) -> Any:
+        """A chat turn from its prompt's token ids (rendered messages, or given tokens)."""
+        top = req.top_logprobs if req.logprobs else None
+        params = self.params_from(req, req.max_completion_tokens or req.max_tokens,
+                                  (top or 0) if req.logprobs else None)
+        try:
+            seqs = await self.run(ids, params)
+        except RequestError as exc:
+            return error(400, str(exc))
+        choices: list[api.ChatChoice] = []
         for i, seq in enumerate(seqs):
-            lp = None
-            if req.logprobs:
-                content = []
-                for j, (tok, val) in enumerate(zip(seq.output_ids, seq.logprobs)):
-                    alts = seq.top_logprobs[j] if j < len(seq.top_logprobs) else {}
-                    content.append({
-                        "token": piece(tok), "logprob": val, "bytes": list(piece(tok).encode()),
-                        "top_logprobs": [{"token": piece(k), "logprob": v, "bytes": list(piece(k).encode())}
-                                         for k, v in alts.items()],
-                    })
-                lp = {"content": content}
-            text, finish = text_of(seq), seq.finish_reason
-            message: dict[str, Any] = {"role": "assistant", "content": text}
+            text, finish = self.text_of(seq), seq.finish_reason
+            message = api.ChatMessage(role="assistant", content=text)
             if req.parses_tools():
                 rest, calls = split_tool_calls(text)
                 if calls:
@@ -220,49 +249,48 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
                          "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
                         for c in calls]
                     finish = "tool_calls" if finish == "stop" else finish
-            choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": lp, **extras(seq)})
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_name, "choices": choices, "prompt_token_ids": ids, "usage": usage(len(ids), seqs)}
+            choices.append(api.ChatChoice(index=i, message=message, finish_reason=finish,
+                                          logprobs=self.chat_logprobs(seq) if req.logprobs else None,
+                                          **self.token_fields(seq)))
+        return api.ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion", created=int(time.time()),
+            model=self.model_name, choices=choices, prompt_token_ids=ids, usage=self.usage(len(ids), seqs))
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Any:
+    async def chat(self, req: ChatCompletionRequest) -> Any:
         try:
-            ids = render(req.template_messages(), req.template_tools(), req.add_generation_prompt,
-                         req.chat_template_kwargs)
+            ids = self.render(req.template_messages(), req.template_tools(), req.add_generation_prompt,
+                              req.chat_template_kwargs)
         except ValueError as exc:
             return error(400, str(exc), "messages")
-        return await chat_completion(req, ids)
+        return await self.chat_completion(req, ids)
 
-    @app.post("/v1/chat/completions/tokens")
-    async def chat_tokens(req: ChatTokensRequest) -> Any:
+    async def chat_tokens(self, req: ChatTokensRequest) -> Any:
         """A chat turn whose prompt arrives as token ids: the engine's own tokens of the earlier
         turns plus the new turn's, so nothing the model produced is re-tokenized."""
-        return await chat_completion(req, list(req.tokens))
+        return await self.chat_completion(req, list(req.tokens))
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> Any:
+    async def tokenize(self, req: TokenizeRequest) -> Any:
         if (req.prompt is None) == (req.messages is None):
             return error(400, "give exactly one of 'prompt' (text) or 'messages' (a conversation)")
         if req.prompt is not None:
-            ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
             try:
-                ids = render([m.model_dump(exclude_none=True) for m in req.messages],
-                             [t.model_dump() for t in req.tools] if req.tools else None,
-                             req.add_generation_prompt, req.chat_template_kwargs)
+                ids = self.render([m.model_dump(exclude_none=True) for m in req.messages],
+                                  [t.model_dump() for t in req.tools] if req.tools else None,
+                                  req.add_generation_prompt, req.chat_template_kwargs)
             except ValueError as exc:
                 return error(400, str(exc), "messages")
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        return api.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> Any:
-        if any(t < 0 or t >= len(tokenizer) for t in req.tokens):
-            return error(400, f"token ids must be in [0, {len(tokenizer)})", "tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+    async def detokenize(self, req: DetokenizeRequest) -> Any:
+        n = len(self.tokenizer)
+        if any(t < 0 or t >= n for t in req.tokens):
+            return error(400, f"token ids must be in [0, {n})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        s = engine.stats
+    async def metrics(self) -> PlainTextResponse:
+        s, engine = self.engine.stats, self.engine
         lines = [
             ("primerl_requests_total", "counter", "Requests received", s.requests),
             ("primerl_prompt_tokens_total", "counter", "Prompt tokens processed", s.prompt_tokens),
@@ -279,8 +307,8 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
         text = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in lines)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/admin/weights")
-    async def update_weights(req: WeightUpdateRequest) -> Any:
+    # ---- admin -------------------------------------------------------------------------------
+    async def update_weights(self, req: WeightUpdateRequest) -> Any:
         from primerl.weights import WeightsError
 
         loop = asyncio.get_running_loop()
@@ -290,27 +318,71 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str,
             if not Path(req.path).exists():
                 raise WeightsError(f"weights path '{req.path}' does not exist")
             # stage (map, validate) while the engine keeps decoding, then copy in its step gap
-            copy_in = await loop.run_in_executor(None, load_weights, req.path)
-            version = await loop.run_in_executor(None, lambda: engine.update_weights(copy_in, req.version))
+            copy_in = await loop.run_in_executor(None, self.load_weights, req.path)
+            version = await loop.run_in_executor(None, lambda: self.engine.update_weights(copy_in, req.version))
         except WeightsError as exc:
             return error(400, str(exc), "path")
         except Exception as exc:  # noqa: BLE001 - report, keep serving the old weights
             return error(400, f"could not load weights from '{req.path}': {type(exc).__name__}: {exc}", "path")
-        return {"policy_version": version, "seconds": time.perf_counter() - t0}
+        return api.WeightUpdateResponse(policy_version=version, seconds=time.perf_counter() - t0)
 
-    @app.post("/admin/pause")
-    async def pause() -> dict[str, Any]:
-        engine.pause()
-        return {"paused": True, "policy_version": engine.version}
+    async def pause(self) -> api.PauseResponse:
+        self.engine.pause()
+        return api.PauseResponse(paused=True, policy_version=self.engine.version)
 
-    @app.post("/admin/resume")
-    async def resume() -> dict[str, Any]:
-        engine.resume()
-        return {"paused": False, "policy_version": engine.version}
+    async def resume(self) -> api.PauseResponse:
+        self.engine.resume()
+        return api.PauseResponse(paused=False, policy_version=self.engine.version)
 
-    @app.get("/admin/status")
-    async def status() -> dict[str, Any]:
-        return {"policy_version": engine.version, "paused": engine.paused, "running": len(engine.running),
-                "waiting": len(engine.waiting), "kv_usage": engine.kv_usage()}
+    async def status(self) -> api.AdminStatus:
+        e = self.engine
+        return api.AdminStatus(policy_version=e.version, paused=e.paused, running=len(e.running),
+                               waiting=len(e.waiting), kv_usage=e.kv_usage())
 
+
+# ---- the app ------------------------------------------------------------------------------------
+
+
+async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    return error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg")), loc or None)
+
+
+async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error(exc.status_code, str(exc.detail))
+
+
+async def _limit_body(request: Request, call_next):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        return error(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    return await call_next(request)
+
+
+def create_app(engine: Engine, tokenizer: Any, model_name: str,
+               load_weights: Callable[[str], Any] | None = None) -> FastAPI:
+    """The app: :class:`Handlers` routed at :mod:`primerl.inference`'s endpoints."""
+    h = Handlers(engine, tokenizer, model_name, load_weights)
+    app = FastAPI(title="primerl embedded inference")
+    app.state.handlers = h
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.middleware("http")(_limit_body)
+    for method, path, handler in [
+        ("GET", api.HEALTH, h.health),
+        ("GET", api.MODELS, h.models),
+        ("POST", api.COMPLETIONS, h.completions),
+        ("POST", api.CHAT_COMPLETIONS, h.chat),
+        ("POST", api.CHAT_COMPLETIONS_TOKENS, h.chat_tokens),
+        ("POST", api.TOKENIZE, h.tokenize),
+        ("POST", api.DETOKENIZE, h.detokenize),
+        ("GET", api.METRICS, h.metrics),
+        ("POST", api.ADMIN_WEIGHTS, h.update_weights),
+        ("POST", api.ADMIN_PAUSE, h.pause),
+        ("POST", api.ADMIN_RESUME, h.resume),
+        ("GET", api.ADMIN_STATUS, h.status),
+    ]:
+        # response_model=None: the records are documentation (TypedDicts), not a second validation
+        app.add_api_route(path, handler, methods=[method], response_model=None)
     return app

@@ -1,0 +1,251 @@
+"""The inference backend contract: what ``primerl inference`` calls, and what a server answers.
+
+An inference backend (``register_inference_backends``) serves a model over HTTP: the
+OpenAI-compatible API plus primerl's admin endpoints. ``primerl inference`` resolves the
+backend named by ``inference.backend``, calls it with no arguments and calls
+:meth:`InferenceBackend.serve` on the result; that call blocks until the server stops.
+
+The orchestrator, the env bridges and the trainer never import a backend: they talk HTTP.
+So the contract is the wire format, written down here as typed records (``TypedDict``: a
+response is a plain JSON object; these name its keys and their types). Every backend (the
+embedded engine, a vLLM plugin) must return at least these fields; OpenAI's other fields
+may come too. What RL needs beyond OpenAI:
+
+* token exactness: ``prompt_token_ids`` and every choice's ``token_ids``, the ids the
+  engine actually ran and sampled (never re-tokenized text);
+* the sampling log-probability of every generated token (``logprobs``), as
+  :mod:`primerl.sampling` defines it (float32 ``log_softmax(logits / T)``, T = 0 scored at
+  1, top-k/top-p not renormalised), which the trainer's importance ratio compares against;
+* the policy version of every generated token (``policy_versions``): a weight update may
+  land in the middle of a request, and staleness is counted per token;
+* with ``return_routed_experts``, the experts each MoE layer routed every processed token
+  to (:class:`RoutedExperts`), for router replay (R3);
+* the admin endpoints (:data:`ADMIN_WEIGHTS` ...) through which the orchestrator loads
+  each new policy into every server without stopping generation.
+
+Records with optional keys are split into a required base and a ``total=False`` subclass
+(Python 3.10 has no ``NotRequired``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
+
+if TYPE_CHECKING:  # pragma: no cover
+    from primerl.config import RunConfig
+
+
+class InferenceBackend(Protocol):
+    """What ``primerl inference`` calls: ``backend_cls().serve(cfg)``.
+
+    ``serve`` builds the model from ``cfg.model`` and serves it on ``cfg.inference.host`` /
+    ``cfg.inference.port`` until the process is stopped, answering the endpoints below
+    with the records below. Options come from ``cfg.inference`` (``max_model_len``,
+    ``kv_slots``, ``kv_store``...); a backend ignores the keys it has no use for.
+    """
+
+    def serve(self, cfg: RunConfig) -> None: ...
+
+
+# ---- endpoints ------------------------------------------------------------------------------
+
+COMPLETIONS = "/v1/completions"  # POST: CompletionResponse
+CHAT_COMPLETIONS = "/v1/chat/completions"  # POST: ChatCompletionResponse
+CHAT_COMPLETIONS_TOKENS = "/v1/chat/completions/tokens"  # POST: a chat request whose prompt is `tokens`
+TOKENIZE = "/tokenize"  # POST: TokenizeResponse (vLLM's)
+DETOKENIZE = "/detokenize"  # POST: {"prompt": str}
+MODELS = "/v1/models"  # GET: OpenAI's model list
+HEALTH = "/health"  # GET: Health, 200 once the server accepts requests
+METRICS = "/metrics"  # GET: Prometheus text
+ADMIN_WEIGHTS = "/admin/weights"  # POST WeightUpdateRequest -> WeightUpdateResponse
+ADMIN_PAUSE = "/admin/pause"  # POST -> PauseResponse (stop scheduling; in-flight requests wait)
+ADMIN_RESUME = "/admin/resume"  # POST -> PauseResponse
+ADMIN_STATUS = "/admin/status"  # GET -> AdminStatus
+
+
+# ---- request fields beyond OpenAI's (completions and chat) ------------------------------------
+
+
+class SamplingExtras(TypedDict, total=False):
+    """Request fields every backend accepts beyond OpenAI's (vLLM accepts the same)."""
+
+    top_k: int  # -1: off
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    return_routed_experts: bool  # add RoutedExperts to every choice
+
+
+# ---- pieces of a choice ---------------------------------------------------------------------
+
+
+class RoutedExperts(TypedDict):
+    """The experts that processed each token, vLLM's layout: base64 of a C-order array.
+
+    ``shape`` is ``[tokens, moe_layers, top_k]``: one row per token the engine *ran* --
+    the prompt and every sampled token but the last (which was never fed back) -- starting
+    at token ``start`` of the prompt (0 from primerl's engine; the orchestrator rejects
+    anything else). ``dtype`` is ``"uint8"`` (up to 256 experts) or ``"int16"``. Rows of a
+    prompt prefix served from a KV cache are the experts that computed that cache.
+    """
+
+    data: str
+    shape: list[int]
+    dtype: Literal["uint8", "int16"]
+    start: int
+
+
+class CompletionLogprobs(TypedDict):
+    """OpenAI's legacy completions ``logprobs`` (``logprobs: k`` in the request).
+
+    One entry per token of the choice's text: the generated tokens, preceded with
+    ``echo: true`` by every prompt token. ``token_logprobs[i]`` is the log-probability of
+    token i (None for the first prompt token: nothing predicts it); ``top_logprobs[i]`` maps
+    the ``k`` most likely tokens' text to theirs (None for that first token; the whole list
+    is None when ``k`` is 0); ``text_offset[i]`` is where token i starts in ``text``.
+    """
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TypedDict):
+    """OpenAI's chat ``logprobs.content[i]``: one generated token."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatTokenLogprob]
+
+
+class _TokenFields(TypedDict):
+    token_ids: list[int]  # the generated token ids, exactly as sampled
+    policy_versions: list[int]  # the policy version that produced each of token_ids
+
+
+class TokenFields(_TokenFields, total=False):
+    """What every choice carries beyond OpenAI's fields (completions and chat alike)."""
+
+    routed_experts: RoutedExperts  # only with return_routed_experts (and an MoE model)
+
+
+class CompletionChoice(TokenFields):
+    """One choice of ``/v1/completions``."""
+
+    index: int
+    text: str  # with echo: the prompt's text, then the completion's
+    finish_reason: Literal["stop", "length", "abort"] | None
+    logprobs: CompletionLogprobs | None
+    prompt_token_ids: list[int]  # this choice's prompt (a request may hold several prompts)
+
+
+class ChatMessage(TypedDict, total=False):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[dict]  # OpenAI's shape; arguments are a JSON string
+
+
+class ChatChoice(TokenFields):
+    """One choice of ``/v1/chat/completions`` (and ``/v1/chat/completions/tokens``)."""
+
+    index: int
+    message: ChatMessage
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
+    logprobs: ChatLogprobs | None
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+class CompletionResponse(TypedDict):
+    """``/v1/completions``: choices in prompt order, ``n`` per prompt."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionResponse(TypedDict):
+    """``/v1/chat/completions``: ``prompt_token_ids`` is the rendered conversation."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    prompt_token_ids: list[int]
+    usage: Usage
+
+
+class TokenizeResponse(TypedDict):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class Health(TypedDict):
+    status: Literal["ok"]
+    policy_version: int
+    paused: bool
+
+
+class WeightUpdateRequest(TypedDict, total=False):
+    """``POST /admin/weights``: ``path`` (required) is an HF safetensors checkpoint directory,
+    or one safetensors file (the co-located ``/dev/shm`` channel); ``version`` the policy
+    version its tokens will report (default: the current one + 1). Requests in flight carry
+    on; every later token reports the new version. A bad checkpoint is a 400 and changes
+    nothing."""
+
+    path: str
+    version: int
+
+
+class WeightUpdateResponse(TypedDict):
+    policy_version: int
+    seconds: float
+
+
+class PauseResponse(TypedDict):
+    paused: bool
+    policy_version: int
+
+
+class AdminStatus(TypedDict):
+    policy_version: int
+    paused: bool
+    running: int  # sequences being generated
+    waiting: int  # sequences queued for a slot
+    kv_usage: float  # share of KV held by running sequences
+
+
+class ErrorBody(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(TypedDict):
+    """Any 4xx: OpenAI's error shape, with a reason a person can act on."""
+
+    error: ErrorBody

@@ -1,0 +1,1 @@
+"""The ``memory`` KV store (see :mod:`primerl_kv_memory.store`)."""
