@@ -10,15 +10,18 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
-
 from primerl_swe import repo, sandbox
 from primerl_swe.build_tasks import build
 from primerl_swe.env import Swe, SweConfig, load_tasks
+
+from primerl.envs import TaskError
+from primerl.errors import PrimerlError
 
 needs_bwrap = pytest.mark.skipif(sandbox.bwrap_path() is None, reason="bubblewrap is not installed")
 
@@ -140,7 +143,7 @@ def test_sandbox_has_no_network(scratch):
 def test_sandbox_survives_a_fork_bomb(scratch):
     before = len(os.listdir("/proc"))
     t0 = time.monotonic()
-    r = sandbox.run(":(){ :|:& };:", scratch, limits=sandbox.Limits(wall_s=5, processes=32))
+    sandbox.run(":(){ :|:& };:", scratch, limits=sandbox.Limits(wall_s=5, processes=32))
     assert time.monotonic() - t0 < 30
     time.sleep(0.5)
     assert len(os.listdir("/proc")) < before + 10  # nothing of it is left on the host
@@ -169,6 +172,221 @@ def test_sandbox_kills_infinite_loops(scratch):
 
 def test_missing_bubblewrap_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    with pytest.raises(RuntimeError, match="apt-get install bubblewrap.*--env.sandbox rlimit"):
+    with pytest.raises(PrimerlError, match="apt-get install bubblewrap.*--env.sandbox rlimit"):
         sandbox.resolve("auto")
     assert sandbox.resolve("rlimit") == "rlimit"
+
+
+def test_env_check_without_bubblewrap_prints_one_line_and_exits_2(tasks_file, tmp_path):
+    """bwrap not on PATH (nor anything else): one line naming the fix, no traceback, exit 2."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "env", "check", "swe", "--tasks", str(tasks_file),
+                        "--oracle", "--json"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PATH": str(empty), "COLUMNS": "400"})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error:") and "apt-get install bubblewrap" in line and "--env.sandbox rlimit" in line
+
+
+# -- harness failures are errors with their cause; the model's failures stay 0 -----------------
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.invalid"}
+
+
+def _git(args, cwd):
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True,
+                          env={**os.environ, **GIT_ENV}).stdout
+
+
+def _unseen_tasks(root: Path) -> Path:
+    """A SWE-bench-format task file over a repository made here (not the shipped set): one
+    good task, and tasks broken in each way a dataset can be."""
+    src = root / "calc"
+    files = {
+        "calc/__init__.py": "",
+        "calc/ops.py": "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n",
+        "tests/__init__.py": "",
+        "tests/test_ops.py": ("from calc.ops import mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n\n\n"
+                              "def test_needs_a_service():\n    import os\n"
+                              "    assert os.path.exists('/run/primerl-no-such-service')\n"),
+    }
+    for path, text in files.items():
+        (src / path).parent.mkdir(parents=True, exist_ok=True)
+        (src / path).write_text(text)
+    _git(["init", "--quiet"], src)
+    _git(["add", "-A"], src)
+    _git(["commit", "--quiet", "-m", "calc"], src)
+    base = _git(["rev-parse", "HEAD"], src).strip()
+    (src / "calc/ops.py").write_text(files["calc/ops.py"].replace("a - b", "a + b"))
+    patch = _git(["diff"], src)
+    _git(["checkout", "--quiet", "--", "calc/ops.py"], src)
+    (src / "tests/test_add.py").write_text("from calc.ops import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n")
+    _git(["add", "-N", "tests/test_add.py"], src)
+    test_patch = _git(["diff"], src)
+    _git(["rm", "--quiet", "--cached", "tests/test_add.py"], src)
+    (src / "tests/test_add.py").unlink()
+    good = {"instance_id": "calc__add", "repo": "calc", "base_commit": base, "problem_statement": "add subtracts",
+            "patch": patch, "test_patch": test_patch, "FAIL_TO_PASS": json.dumps(["tests/test_add.py::test_add"]),
+            "PASS_TO_PASS": json.dumps(["tests/test_ops.py::test_mul"])}
+    recs = [
+        good,
+        {**good, "instance_id": "calc__p2p-fails-at-base",
+         "PASS_TO_PASS": ["tests/test_ops.py::test_mul", "tests/test_ops.py::test_needs_a_service"]},
+        {**good, "instance_id": "calc__test-patch-does-not-apply",
+         "test_patch": test_patch.replace("tests/test_add.py", "tests/test_ops.py").replace("new file mode 100644\n", "")},
+        {**good, "instance_id": "calc__bad-commit", "base_commit": "1" * 40},
+        {**good, "instance_id": "calc__no-repo", "repo": "missing"},
+        {**good, "instance_id": "calc__no-fail-to-pass", "FAIL_TO_PASS": []},
+    ]
+    path = root / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+BROKEN = {"calc__p2p-fails-at-base": "PASS_TO_PASS tests do not pass on base_commit .* with test_patch applied: "
+                                      r"tests/test_ops.py::test_needs_a_service \(FAILED\)",
+          "calc__test-patch-does-not-apply": "test_patch does not apply to base_commit",
+          "calc__bad-commit": "repository or base_commit unusable",
+          "calc__no-repo": "repository or base_commit unusable: .*missing is not a git repository",
+          "calc__no-fail-to-pass": "no FAIL_TO_PASS tests"}
+
+
+@pytest.fixture(scope="module")
+def unseen(tmp_path_factory):
+    return _unseen_tasks(tmp_path_factory.mktemp("unseen"))
+
+
+@needs_bwrap
+def test_unseen_tasks_check_like_the_shipped_ones_and_broken_ones_are_errors(unseen):
+    import re
+
+    env = Swe(SweConfig(tasks=str(unseen)))
+    for oracle, want in ((True, 1.0), (False, 0.0)):
+        rows = {r["instance_id"]: r for r in env.check(oracle=oracle)}
+        assert rows["calc__add"]["reward"] == want and rows["calc__add"]["error"] is None, rows["calc__add"]
+        for iid, cause in BROKEN.items():
+            assert rows[iid]["reward"] is None and re.search(cause, rows[iid]["error"]), (oracle, rows[iid])
+    # an episode of a broken task, as the orchestrator runs it: the reward is an error, not 0
+    task = next(t for t in env.tasks("train") if t.id == "calc__p2p-fails-at-base")
+    state = env.setup(task)
+    try:
+        with pytest.raises(TaskError, match=BROKEN[task.id]) as err:
+            env.reward(task, state)
+        assert err.value.task_id == task.id
+    finally:
+        env.cleanup(task, state)
+    with pytest.raises(TaskError, match=BROKEN["calc__no-repo"]):
+        env.setup(next(t for t in env.tasks("train") if t.id == "calc__no-repo"))
+
+
+@needs_bwrap
+def test_model_caused_failures_stay_zero(unseen, tmp_path):
+    """Whatever the agent does to its checkout is a reward of 0, never an error: a syntax error,
+    a conftest that kills pytest, a wrecked or hostile .git, a chmod-ed checkout, a symlink out."""
+    env = Swe(SweConfig(tasks=str(unseen)))
+    task = next(t for t in env.tasks("train") if t.id == "calc__add")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "test_add.py").write_text("keep me")
+    marker = tmp_path / "host-code-ran"
+    # a complete repository in .git (a copy of the read-only one) whose config runs a program
+    hostile_git = (f"g=$(sed 's/^gitdir: //' .git) && rm .git && cp -r \"$g\" .git && chmod -R u+w .git && "
+                   f"printf '[core]\\n\\tfsmonitor = \"touch {marker}; false\"\\n' >> .git/config && git status")
+    sabotage = {
+        "syntax error": ("write_file", {"path": "calc/ops.py", "content": "def add(a, b)\n    return a + b\n"}),
+        "conftest exits": ("write_file", {"path": "conftest.py", "content": "import os\nos._exit(3)\n"}),
+        "test file removed": ("run", {"command": "rm -rf tests"}),
+        "hostile .git": ("run", {"command": hostile_git}),
+        "checkout chmod 000": ("run", {"command": "chmod 000 ."}),
+        "tests/ is a symlink out": ("run", {"command": f"rm -rf tests && ln -s {outside} tests"}),
+    }
+    for what, (tool, args) in sabotage.items():
+        state = env.setup(task)
+        try:
+            getattr(env, tool)(state, **args)
+            assert env.reward(task, state) == 0.0, what
+        finally:
+            env.cleanup(task, state)
+    assert not marker.exists()  # host git never read the model's configuration
+    assert (outside / "test_add.py").read_text() == "keep me"  # nor followed its symlink
+
+
+@needs_bwrap
+def test_the_run_tool_finds_python_pytest_and_git(unseen):
+    env = Swe(SweConfig(tasks=str(unseen)))
+    task = next(t for t in env.tasks("train") if t.id == "calc__add")
+    state = env.setup(task)
+    try:
+        out = env.run(state, "python -c 'import sys; print(sys.prefix)' && python -m pytest --version && "
+                             "echo '# note' >> calc/ops.py && git diff --stat && git commit -qam y; echo committed=$?")
+        assert out.startswith("[exit code 0]") and sys.prefix in out and "pytest" in out, out
+        assert "calc/ops.py" in out and "committed=0" not in out  # git reads, the git directory is read-only
+        assert "passed" in env.run_tests(state, "tests/test_ops.py::test_mul")
+    finally:
+        env.cleanup(task, state)
+
+
+def _venv(system_site: bool) -> Path:
+    """A virtual environment under /tmp (hidden by the sandbox's private /tmp unless bound)."""
+    d = Path(tempfile.mkdtemp(prefix="primerl-venv-", dir="/tmp"))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip",
+                    *(["--system-site-packages"] if system_site else []), str(d)], check=True)
+    return d
+
+
+@needs_bwrap
+def test_an_interpreter_under_tmp_runs_the_tests(unseen):
+    """The interpreter running primerl lives in a venv under /tmp: the sandbox binds it after its
+    private /tmp, so the tests run (reward 1 with the gold patch) and `python` is that venv's."""
+    venv = _venv(system_site=True)
+    try:
+        code = ("import json, sys; from pathlib import Path; from primerl_swe import sandbox; "
+                "from primerl_swe.env import Swe, SweConfig; "
+                "r = sandbox.run(\"python -c 'import sys; print(sys.prefix)'\", Path(sys.argv[2])); "
+                "print(json.dumps([r.output.strip(), Swe(SweConfig(tasks=sys.argv[1])).check(oracle=True)]))")
+        scratch = Path(tempfile.mkdtemp(prefix="primerl-scratch-"))
+        r = subprocess.run([str(venv / "bin" / "python"), "-c", code, str(unseen), str(scratch)],
+                           capture_output=True, text=True, timeout=300)
+        shutil.rmtree(scratch, ignore_errors=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        prefix, rows = json.loads(r.stdout)
+        assert prefix == str(venv)
+        assert {x["instance_id"]: x["reward"] for x in rows}["calc__add"] == 1.0, rows
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+@needs_bwrap
+def test_pytest_missing_in_the_interpreter_is_a_task_error(unseen, tmp_path):
+    """primerl runs from an interpreter without pytest (its packages come from a site dir the
+    sandbox's clean environment does not see): every task is an error naming the fix."""
+    import sysconfig
+
+    venv = _venv(system_site=False)
+    try:
+        one = tmp_path / "one.jsonl"
+        one.write_text(unseen.read_text().splitlines()[0] + "\n")
+        (tmp_path / "calc").symlink_to(unseen.parent / "calc")
+        code = ("import json, site, sys; site.addsitedir(sys.argv[2]); "
+                "from primerl.envs import TaskError; from primerl_swe.env import Swe, SweConfig; "
+                "env = Swe(SweConfig(tasks=sys.argv[1])); rows = env.check(oracle=True); "
+                "env.check(oracle=False) == rows or print('differs'); print(json.dumps(rows))")
+        r = subprocess.run([str(venv / "bin" / "python"), "-c", code, str(one), sysconfig.get_paths()["purelib"]],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        (row,) = json.loads(r.stdout.splitlines()[-1])
+        assert row["reward"] is None and f"pytest is not installed in {venv}/bin/python" in row["error"], row
+        assert "pip install pytest" in row["error"]
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+@needs_bwrap
+def test_a_sandbox_that_cannot_start_is_an_error_not_a_result(scratch, tmp_path):
+    with pytest.raises(sandbox.SandboxError, match="bwrap: Can't find source path"):
+        sandbox.run("true", scratch, ro_paths=[str(tmp_path / "missing")])
+    r = sandbox.run("echo bwrap: pretend; exit 1", scratch)  # the command's own output is a result
+    assert r.returncode == 1 and r.output == "bwrap: pretend\n"

@@ -11,6 +11,17 @@ harness's rule.
 
 ``primerl env check swe --tasks FILE [--oracle] [--json]`` validates a dataset the same
 way: with ``--oracle`` the gold ``patch`` is applied first, without it nothing is.
+
+Harness failures are errors, never rewards. A task whose tests cannot run — the sandbox
+does not start, the interpreter running primerl lacks pytest, ``test_patch`` does not
+apply to ``base_commit``, the repository or commit is unusable, a PASS_TO_PASS test does
+not pass on the clean ``base_commit`` with ``test_patch`` applied — raises
+:class:`primerl.envs.TaskError` with the cause. Failures the model caused (its edit breaks
+collection, its tests fail, it broke its checkout) stay reward 0. They are told apart by
+reproducing: a run that is not a plain "the harness ran and only FAIL_TO_PASS tests
+failed" is checked against a probe of the harness and a run of the task's own tests on a
+clean checkout — both cached per process, so the cost is paid once per task at most, and
+only when an episode fails.
 """
 
 from __future__ import annotations
@@ -20,13 +31,14 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from primerl.envs import Task
+from primerl.envs import Task, TaskError
 from primerl.envs.multiturn import MultiTurnConfig, ToolEnv
 from primerl_swe import repo, sandbox
 
@@ -92,6 +104,9 @@ class Swe(ToolEnv):
         super().__init__(config)
         self._records: dict[str, dict[str, Any]] | None = None
         self.root: Path | None = None  # this process's scratch checkouts
+        self._task_problems: dict[str, str | None] = {}  # instance_id -> cause (None: the task runs)
+        self._task_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
 
     def _scratch_root(self) -> Path:
         """``$TMP/primerl-swe/<pid>``; roots of processes that died (killed workers) are removed."""
@@ -134,7 +149,11 @@ class Swe(ToolEnv):
     def setup(self, task: Task) -> dict[str, Any]:
         rec = self._record(task)
         sandbox.resolve(self.config.sandbox)  # fail before the episode if there is no sandbox
-        work = repo.checkout(rec["repo"], rec["base_commit"], parent=self._scratch_root())
+        repo.require_git()
+        try:
+            work = repo.checkout(rec["repo"], rec["base_commit"], parent=self._scratch_root())
+        except repo.RepoError as e:
+            raise TaskError(f"repository or base_commit unusable: {e}", task_id=rec["instance_id"]) from None
         return {"workdir": str(work), "submitted": False}
 
     def cleanup(self, task: Task, state: dict[str, Any]) -> None:
@@ -142,26 +161,95 @@ class Swe(ToolEnv):
             repo.remove(Path(state["workdir"]))
 
     def reward(self, task: Task, state: dict[str, Any]) -> float:
-        return self.evaluate(self._record(task), Path(state["workdir"]))
+        rec = self._record(task)
+        if state.get("task_error"):  # the sandbox failed under a tool during the episode
+            raise TaskError(state["task_error"], task_id=rec["instance_id"])
+        return self.evaluate(rec, Path(state["workdir"]))
+
+    def _limits(self, timeout_s: float) -> sandbox.Limits:
+        return sandbox.Limits(wall_s=timeout_s, cpu_s=int(timeout_s), memory_mb=self.config.memory_mb)
 
     def evaluate(self, rec: dict[str, Any], work: Path) -> float:
-        """SWE-bench's rule: reset the test files, apply test_patch, run FAIL_TO_PASS + PASS_TO_PASS."""
-        touched = re.findall(r"^diff --git a/(\S+) b/", rec["test_patch"], re.M)
-        for f in touched:
-            existed = repo.git(["ls-tree", "--name-only", rec["base_commit"], "--", f], work).strip()
-            if existed:
-                repo.git(["checkout", rec["base_commit"], "--", f], work)
-            else:
-                (work / f).unlink(missing_ok=True)
-        try:
-            repo.apply_patch(work, rec["test_patch"])
-        except repo.RepoError:
-            return 0.0
+        """SWE-bench's rule: reset the test files, apply test_patch, run FAIL_TO_PASS + PASS_TO_PASS.
+        Raises :class:`TaskError` when the task's tests cannot run (see the module docstring)."""
+        return self._score(rec, work)[0]
+
+    def _score(self, rec: dict[str, Any], work: Path) -> tuple[float, dict[str, str]]:
+        """(reward, {test: outcome} of the tests that did not pass)."""
+        if not rec["FAIL_TO_PASS"]:  # nothing tells a fix from no fix
+            raise TaskError("the task lists no FAIL_TO_PASS tests", task_id=rec["instance_id"])
         tests = [*rec["FAIL_TO_PASS"], *rec["PASS_TO_PASS"]]
-        limits = sandbox.Limits(wall_s=self.config.test_timeout_s, cpu_s=int(self.config.test_timeout_s),
-                                memory_mb=self.config.memory_mb)
-        outcomes, _ = repo.run_tests(work, tests, kind=self.config.sandbox, limits=limits)
-        return float(all(outcomes.get(t) == "PASSED" for t in tests))
+        outcomes: dict[str, str] = {}
+        try:
+            repo.reset_files(work, rec["base_commit"], _touched(rec["test_patch"]))
+            repo.apply_patch(work, rec["test_patch"])
+            outcomes, _ = repo.run_tests(work, tests, kind=self.config.sandbox,
+                                         limits=self._limits(self.config.test_timeout_s))
+        except sandbox.SandboxError as e:  # the sandbox itself failed: nothing of the model's ran
+            raise TaskError(str(e), task_id=rec["instance_id"]) from None
+        except (repo.RepoError, OSError):
+            pass  # the agent may have broken its checkout; whether the task is broken is checked below
+        failing = {t: outcomes.get(t, "no report") for t in tests if outcomes.get(t) != "PASSED"}
+        if not failing:
+            return 1.0, failing
+        if outcomes and all(outcomes.get(t) == "PASSED" for t in rec["PASS_TO_PASS"]):
+            return 0.0, failing  # the harness ran the suite; only FAIL_TO_PASS tests failed
+        problem = self.task_problem(rec)
+        if problem is not None:
+            raise TaskError(problem, task_id=rec["instance_id"])
+        return 0.0, failing  # the task runs on its clean base: the failure is the model's
+
+    def task_problem(self, rec: dict[str, Any]) -> str | None:
+        """Why ``rec``'s tests cannot run, or None: the harness probe, then the task's tests
+        on a clean ``base_commit`` with ``test_patch`` applied (every PASS_TO_PASS test must
+        pass there, as in SWE-bench). Cached per process (harness and timeout failures are
+        not: they may pass)."""
+        problem = sandbox.harness_problem(self.config.sandbox)
+        if problem is not None:
+            return problem
+        iid = rec["instance_id"]
+        with self._lock:
+            lock = self._task_locks.setdefault(iid, threading.Lock())
+        with lock:
+            if iid not in self._task_problems:
+                problem, cacheable = self._base_problem(rec)
+                if not cacheable:
+                    return problem
+                self._task_problems[iid] = problem
+            return self._task_problems[iid]
+
+    def _base_problem(self, rec: dict[str, Any]) -> tuple[str | None, bool]:
+        base = rec["base_commit"]
+        try:
+            work = repo.checkout(rec["repo"], base)
+        except repo.RepoError as e:
+            return f"repository or base_commit unusable: {e}", True
+        try:
+            try:
+                repo.apply_patch(work, rec["test_patch"])
+            except repo.RepoError as e:
+                return f"test_patch does not apply to base_commit {base[:12]}: {e}", True
+            timeout = self.config.test_timeout_s
+            try:
+                outcomes, result = repo.run_tests(work, [*rec["FAIL_TO_PASS"], *rec["PASS_TO_PASS"]],
+                                                  kind=self.config.sandbox, limits=self._limits(timeout))
+            except sandbox.SandboxError as e:
+                return str(e), False
+            where = f"on base_commit {base[:12]} with test_patch applied"
+            if result.timed_out:
+                return (f"the task's tests time out after {timeout:g}s {where}; raise --env.test_timeout_s "
+                        f"(output: {sandbox._tail(result.output)})"), False
+            if not outcomes:
+                return f"no test reports {where}: {sandbox._tail(result.describe())}", True
+            bad = [f"{t} ({outcomes.get(t, 'no report')})" for t in rec["PASS_TO_PASS"] if outcomes.get(t) != "PASSED"]
+            if bad:
+                more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+                said = [ln for ln in result.output.splitlines() if re.match(r"(FAILED|ERROR)\b", ln)][:8]
+                said = " | ".join([*said, result.output.strip().splitlines()[-1]]) if said else sandbox._tail(result.output)
+                return f"PASS_TO_PASS tests do not pass {where}: {', '.join(bad[:5])}{more}; pytest said: {said}", True
+            return None, True
+        finally:
+            repo.remove(work)
 
     # -- tools (each gets the episode state first) -------------------------------------------
 
@@ -216,18 +304,21 @@ class Swe(ToolEnv):
         p.write_text(text.replace(old, new))
         return f"edited {path}"
 
+    def _sandboxed(self, state: dict[str, Any], command: str, timeout_s: float) -> str:
+        try:
+            return repo.run(command, Path(state["workdir"]), kind=self.config.sandbox,
+                            limits=self._limits(timeout_s)).describe()
+        except sandbox.SandboxError as e:  # not the model's doing: the episode cannot be scored
+            state["task_error"] = str(e)
+            raise TaskError(str(e)) from None
+
     def run(self, state: dict[str, Any], command: str) -> str:
         """Run a shell command in the repository (sandboxed, no network)."""
-        limits = sandbox.Limits(wall_s=self.config.command_timeout_s, cpu_s=int(self.config.command_timeout_s),
-                                memory_mb=self.config.memory_mb)
-        return sandbox.run(command, Path(state["workdir"]), kind=self.config.sandbox, limits=limits).describe()
+        return self._sandboxed(state, command, self.config.command_timeout_s)
 
     def run_tests(self, state: dict[str, Any], tests: str = "") -> str:
         """Run pytest on the given test ids (space-separated), or on all tests."""
-        limits = sandbox.Limits(wall_s=self.config.test_timeout_s, cpu_s=int(self.config.test_timeout_s),
-                                memory_mb=self.config.memory_mb)
-        cmd = f"python -m pytest -q -p no:cacheprovider {tests}".strip()
-        return sandbox.run(cmd, Path(state["workdir"]), kind=self.config.sandbox, limits=limits).describe()
+        return self._sandboxed(state, repo.pytest_command(f"-q {tests}"), self.config.test_timeout_s)
 
     def submit(self, state: dict[str, Any]) -> str:
         """Finish: your changes are evaluated."""
@@ -237,22 +328,41 @@ class Swe(ToolEnv):
     # -- dataset validation ------------------------------------------------------------------
 
     def check(self, oracle: bool = False, workers: int = 4) -> list[dict[str, Any]]:
-        """Each task's reward with the gold patch applied (``oracle``) or with none."""
+        """Each task's reward with the gold patch applied (``oracle``) or with none:
+        ``{"instance_id", "reward", "error"}``; a task that cannot be run has reward None and
+        its cause in ``error``; with ``oracle``, a reward below 1 lists the tests that did not pass
+        in ``failing``."""
         from concurrent.futures import ThreadPoolExecutor
 
+        sandbox.resolve(self.config.sandbox)  # no sandbox or no git: one clear error, not one per task
+        repo.require_git()
+
         def one(rec: dict[str, Any]) -> dict[str, Any]:
+            row: dict[str, Any] = {"instance_id": rec["instance_id"], "reward": None, "error": None}
             try:
                 work = repo.checkout(rec["repo"], rec["base_commit"])
             except repo.RepoError as e:
-                return {"instance_id": rec["instance_id"], "reward": 0.0, "error": str(e)}
+                return {**row, "error": f"repository or base_commit unusable: {e}"}
             try:
                 if oracle:
-                    repo.apply_patch(work, rec["patch"])
-                return {"instance_id": rec["instance_id"], "reward": self.evaluate(rec, work)}
-            except repo.RepoError as e:
-                return {"instance_id": rec["instance_id"], "reward": 0.0, "error": str(e)}
+                    try:
+                        repo.apply_patch(work, rec["patch"])
+                    except repo.RepoError as e:
+                        return {**row, "error": f"the gold patch does not apply to base_commit: {e}"}
+                reward, failing = self._score(rec, work)
+                return {**row, "reward": reward, **({"failing": failing} if oracle and failing else {})}
+            except TaskError as e:
+                return {**row, "error": e.cause}
             finally:
                 repo.remove(work)
 
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(one, self.records().values()))
+
+
+def _touched(patch: str) -> list[str]:
+    """The files a patch changes (both sides of a rename)."""
+    files: list[str] = []
+    for a, b in re.findall(r"^diff --git a/(\S+) b/(\S+)", patch, re.M):
+        files += [f for f in (a, b) if f not in files]
+    return files
