@@ -30,11 +30,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
 
+    from primerl_embedded.engine import Engine, SamplingParams
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from primerl.models import ModelConfig
     from primerl.registry import get_registry
-    from primerl_embedded.engine import Engine, SamplingParams
 
     torch.set_grad_enabled(False)
     adapter = get_registry().load("model", "glm5")()

@@ -89,9 +89,10 @@ def train(name: str, args) -> tuple:
 def rollouts(model, tokenizer, env, prompts: int, n: int, max_tokens: int, seed: int, weights: str = "bf16"):
     """Samples from a bfloat16 copy of ``model`` (weights FP8-rounded when ``weights`` is
     "fp8") served by the embedded engine."""
-    from primerl.models.fp8 import fp8_round_trip_
-    from primerl.envs.multiturn import prompt_ids
     from primerl_embedded.engine import Engine, SamplingParams
+
+    from primerl.envs.multiturn import prompt_ids
+    from primerl.models.fp8 import fp8_round_trip_
 
     served = copy.deepcopy(model).cast_(torch.bfloat16).eval()
     if weights == "fp8":

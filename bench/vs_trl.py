@@ -43,12 +43,12 @@ def primerl_rollouts_per_s(out: Path, steps: int) -> float:
 def trl_rollouts_per_s(out: Path, steps: int) -> float:
     import torch
     from datasets import Dataset
+    from primerl_reverse_text.env import ReverseText, ReverseTextConfig, lcs_ratio
     from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from primerl.models import ModelConfig
     from primerl.registry import get_registry
-    from primerl_reverse_text.env import ReverseText, ReverseTextConfig, lcs_ratio
 
     adapter = get_registry().load("model", "glm5")()
     cfg = ModelConfig(name="glm5", preset="tiny", seed=0)

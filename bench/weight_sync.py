@@ -43,11 +43,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from primerl.registry import get_registry
-    from primerl.weights import adopt, apply, stage, write_safetensors
     from primerl_embedded.engine import Engine, SamplingParams
     from primerl_glm5.model import Glm5Config, Glm5ForCausalLM
     from primerl_glm5.presets import preset_config
+
+    from primerl.registry import get_registry
+    from primerl.weights import adopt, apply, stage, write_safetensors
 
     torch.set_grad_enabled(False)
     hf = {**preset_config("tiny"), "hidden_size": args.hidden, "num_hidden_layers": args.layers,

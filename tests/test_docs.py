@@ -2,8 +2,9 @@
 
 import re
 
-import primerl.hookspecs as hookspecs
 from conftest import REPO
+
+import primerl.hookspecs as hookspecs
 
 
 def test_every_hook_is_documented():

@@ -10,7 +10,6 @@ import subprocess
 
 import pytest
 
-
 pytestmark = pytest.mark.slow
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -137,7 +137,7 @@ def models_show(
 def env_check(
     ctx: typer.Context,
     name: str = typer.Argument(..., help="Environment plugin, e.g. swe"),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="Task file (sets env.tasks)."),
+    tasks: str | None = typer.Option(None, "--tasks", help="Task file (sets env.tasks)."),
     oracle: bool = typer.Option(False, "--oracle", help="Score the reference solutions instead of none."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {instance_id, reward, error}."),
 ) -> None:
@@ -189,10 +189,10 @@ def _resolve(ctx: typer.Context, explicit: dict[str, Any]):
 @app.command(context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
 def run(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="Model plugin (e.g. glm5)."),
-    env: Optional[str] = typer.Option(None, "--env", help="Environment plugin (e.g. reverse-text)."),
-    output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Where everything the run makes goes."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Number of RL steps."),
+    model: str | None = typer.Option(None, "--model", help="Model plugin (e.g. glm5)."),
+    env: str | None = typer.Option(None, "--env", help="Environment plugin (e.g. reverse-text)."),
+    output_dir: str | None = typer.Option(None, "--output-dir", help="Where everything the run makes goes."),
+    max_steps: int | None = typer.Option(None, "--max-steps", help="Number of RL steps."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
 ) -> None:
     """Run RL end to end: inference, orchestrator and trainer as separate processes."""
@@ -210,10 +210,10 @@ def run(
 @app.command(context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
 def inference(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="Model plugin (e.g. glm5)."),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Local HF checkpoint directory."),
-    host: Optional[str] = typer.Option(None, "--host"),
-    port: Optional[int] = typer.Option(None, "--port"),
+    model: str | None = typer.Option(None, "--model", help="Model plugin (e.g. glm5)."),
+    checkpoint: str | None = typer.Option(None, "--checkpoint", help="Local HF checkpoint directory."),
+    host: str | None = typer.Option(None, "--host"),
+    port: int | None = typer.Option(None, "--port"),
 ) -> None:
     """Serve a model over the OpenAI-compatible API."""
     from primerl.registry import get_registry

@@ -102,7 +102,7 @@ class Component:
             return self.target
         try:
             return load_target(self.target)
-        except Exception as exc:  # noqa: BLE001 - reported with context
+        except Exception as exc:
             raise PluginError(
                 f"{self.kind} '{self.name}' from plugin '{self.plugin}'{_dist_suffix(self)} "
                 f"could not load its target '{self.target}': {type(exc).__name__}: {exc}. "
@@ -237,7 +237,7 @@ class Registry:
         module_name = source.entry_point.value.split(":")[0] if source.entry_point else ""
         try:
             plugin = source.entry_point.load() if source.entry_point else source.obj
-        except BaseException as exc:  # noqa: BLE001 - a broken plugin must not be fatal
+        except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             kinds = _kinds_by_source(module_name)

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from primerl.envs import Task
-from primerl.envs.multiturn import ToolEnv, Turn, parse_tool_calls, prompt_ids, tool_schema, turn_suffix
+from primerl.envs.multiturn import ToolEnv, parse_tool_calls, prompt_ids, tool_schema, turn_suffix
 from primerl.envs.workers import EnvCallError, EnvWorkers
 from primerl.tokenizer import byte_tokenizer
 

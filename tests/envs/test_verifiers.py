@@ -10,10 +10,11 @@ import pytest
 pytest.importorskip("verifiers")
 pytest.importorskip("vf_guess_number")
 
-from conftest import InferenceServer  # noqa: E402
-from primerl.config import ConfigError  # noqa: E402
-from primerl.envs.agent import Endpoint, interleave  # noqa: E402
-from primerl.envs.multiturn import prompt_ids, turn_suffix  # noqa: E402
+from conftest import InferenceServer
+
+from primerl.config import ConfigError
+from primerl.envs.agent import Endpoint, interleave
+from primerl.envs.multiturn import prompt_ids, turn_suffix
 
 EOS = 256  # the byte tokenizer's <|endoftext|>
 
@@ -35,8 +36,9 @@ def test_tasks_are_the_verifiers_dataset():
 
 
 def test_a_missing_or_unknown_id_is_a_clear_error():
-    from primerl.config import ConfigSources, load_config
     from primerl_verifiers.env import VerifiersEnv
+
+    from primerl.config import ConfigSources, load_config
 
     with pytest.raises(ConfigError, match="env.id.*--env.id vf-guess-number"):
         load_config(ConfigSources(overrides=[("env.name", "verifiers")]))
@@ -54,6 +56,7 @@ def chain_checkpoint(tmp_path_factory):
     (MLA, DSA, routers pick experts, the engine's cache), it just has a known policy.
     """
     import torch
+
     from primerl.models import ModelConfig
     from primerl.registry import get_registry
 

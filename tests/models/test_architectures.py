@@ -218,8 +218,9 @@ def test_transformers_sharded_checkpoint_served_greedy_equals_generate(arch, tmp
 def test_engine_and_trainer_logprobs_agree(arch):
     """The engine's sampled-token logprobs equal the trainer's forward over the same tokens
     (float32 both sides), and the engine's recorded experts replay to the same routing."""
-    from primerl.sampling import token_logprobs
     from primerl_embedded.engine import Engine, SamplingParams
+
+    from primerl.sampling import token_logprobs
 
     _, _, model = arch
     tok = byte_tokenizer()

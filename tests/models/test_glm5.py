@@ -17,9 +17,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("primerl_glm5")
 
+from primerl_glm5.adapter import Glm5
+
 from primerl.models import ModelConfig
 from primerl.tokenizer import EOS_TOKEN_ID, VOCAB_SIZE, byte_tokenizer
-from primerl_glm5.adapter import Glm5
 
 TOL = 1e-5
 

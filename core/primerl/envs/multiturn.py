@@ -38,7 +38,8 @@ from typing import Any, ClassVar
 import attrs
 
 from primerl.config import EnvConfig
-from primerl.envs import Environment, Message, Task
+from primerl.envs import Environment, Message, Task, TaskError
+from primerl.errors import PrimerlError
 
 
 @attrs.define(kw_only=True)
@@ -193,9 +194,11 @@ class ToolEnv(MultiTurnEnv):
             else:
                 try:
                     result = str(getattr(self, name)(state, **call["arguments"]))
+                except (TaskError, PrimerlError):
+                    raise  # the harness failed, not the model: never a message to learn from
                 except TypeError as e:
                     result = f"error: bad arguments for {name}: {e}"
-                except Exception as e:  # a tool failing is information for the model
+                except Exception as e:  # noqa: BLE001 - a tool failing is information for the model
                     result = f"error: {type(e).__name__}: {e}"
                 done = done or name in self.stop_tools
             if len(result) > self.max_tool_output:

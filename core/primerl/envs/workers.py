@@ -8,7 +8,9 @@ a time over a pipe. A call past its timeout gets its worker killed and replaced;
 that dies mid-call is replaced too; either way the call raises :class:`EnvCallError` and
 the episode is dropped, while every other episode carries on. A
 :class:`~primerl.envs.TaskError` the env raises (a harness failure) reaches the caller as
-itself, so the orchestrator can tell a broken task from a broken env call.
+itself, so the orchestrator can tell a broken task from a broken env call; a
+:class:`~primerl.errors.PrimerlError` (the user's setup is wrong, e.g. a tool the env
+needs is not installed) arrives as one, message only, and stops the run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from primerl.envs import TaskError
+from primerl.errors import PrimerlError
 
 
 class EnvCallError(RuntimeError):
@@ -48,7 +51,9 @@ def _serve(conn: Any, env: str | type, env_config: Any) -> None:
                 reply = ("ok", getattr(env, method)(*args))
             except TaskError as e:  # the env's own verdict: this task cannot be run (no traceback needed)
                 reply = ("task_error", e)
-            except Exception as e:  # reported to the caller, the worker stays up
+            except PrimerlError as e:  # the user's setup is wrong (a missing tool): one line, no traceback
+                reply = ("user_error", str(e))
+            except Exception as e:  # noqa: BLE001 - reported to the caller, the worker stays up
                 reply = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
             try:
                 conn.send(reply)
@@ -76,6 +81,8 @@ class _Worker:
             raise EnvCallError(f"env worker died during {method} (exit code {self.proc.exitcode})") from None
         if reply[0] == "task_error":
             raise reply[1]
+        if reply[0] == "user_error":
+            raise PrimerlError(reply[1])
         if reply[0] == "error":
             raise EnvCallError(f"{method} failed: {reply[1]}\n{reply[2]}")
         return reply[1]

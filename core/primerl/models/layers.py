@@ -277,7 +277,7 @@ class Experts(nn.Module):
                  gated: bool = True) -> None:
         super().__init__()
         self.gated, self.act = gated, activation(act)
-        E, H, I = n_experts, hidden, intermediate
+        E, H, I = n_experts, hidden, intermediate  # noqa: E741 - the shapes read as in the papers
         if gated:
             self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         else:

@@ -52,6 +52,16 @@ from primerl.envs import Environment, Task, TaskError
 from primerl.envs.agent import AgentEnv, Endpoint, interleave
 from primerl.envs.multiturn import MultiTurnConfig, MultiTurnEnv, prompt_ids, turn_suffix
 from primerl.envs.workers import EnvWorkers
+from primerl.errors import PrimerlError
+from primerl.inference import (
+    ADMIN_WEIGHTS,
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    HEALTH,
+    ChatCompletionResponse,
+    CompletionResponse,
+    RoutedExperts,
+)
 from primerl.registry import get_registry
 from primerl.routers import Route, Router
 from primerl.rundir import RunDir
@@ -152,7 +162,7 @@ class InferenceClient:
         for url in self.servers:
             while True:
                 try:
-                    if (await self.http.get(url + "/health", timeout=2)).status_code == 200:
+                    if (await self.http.get(url + HEALTH, timeout=2)).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
@@ -165,11 +175,11 @@ class InferenceClient:
         """Where a session's requests go when the env sends them itself (an agent env's group)."""
         return self.router.route(Route(path="/v1", session=session))
 
-    async def chat(self, body: dict[str, Any], session: str | None = None) -> dict[str, Any]:
-        return await self._post("/v1/chat/completions", body, session)
+    async def chat(self, body: dict[str, Any], session: str | None = None) -> ChatCompletionResponse:
+        return await self._post(CHAT_COMPLETIONS, body, session)
 
-    async def completions(self, body: dict[str, Any], session: str | None = None) -> dict[str, Any]:
-        return await self._post("/v1/completions", body, session)
+    async def completions(self, body: dict[str, Any], session: str | None = None) -> CompletionResponse:
+        return await self._post(COMPLETIONS, body, session)
 
     async def _post(self, path: str, body: dict[str, Any], session: str | None) -> dict[str, Any]:
         import httpx
@@ -191,7 +201,7 @@ class InferenceClient:
 
     async def load_weights(self, path: Path, version: int) -> None:
         for url in self.servers:
-            r = await self.http.post(url + "/admin/weights", json={"path": str(path), "version": version})
+            r = await self.http.post(url + ADMIN_WEIGHTS, json={"path": str(path), "version": version})
             if r.status_code != 200:
                 raise RuntimeError(f"{url} could not load weights {path}: {r.text[:500]}")
 
@@ -321,6 +331,10 @@ class Orchestrator:
             self.finished.put_nowait(group)
             return
         self.started -= 1  # a fresh group takes its place
+        if isinstance(exc, PrimerlError):  # the user's setup is wrong: no other group will fare better
+            if self.broken is not None and not self.broken.done():
+                self.broken.set_result(str(exc))
+            return
         cause = self.failures.failed(exc)
         if self.failures.causes[cause] <= 3 or self.failures.in_a_row % 50 == 0:  # not one line per failure
             log(f"rollout of task {group.task.id} failed: {cause}; starting another")
@@ -372,9 +386,21 @@ class Orchestrator:
     async def multi_turn_rollout(self, group: Group) -> None:
         """``group.size`` independent episodes of one task; any failed episode fails the group."""
         timeout = self.cfg.env.episode_timeout_s if isinstance(self.cfg.env, MultiTurnConfig) else None
-        episodes = await asyncio.gather(*(
-            asyncio.wait_for(self.episode(group.task, f"{group.session}-{i}", group.temperature), timeout)
-            for i in range(group.size)))
+        jobs = [asyncio.create_task(self.episode(group.task, f"{group.session}-{i}", group.temperature))
+                for i in range(group.size)]
+        try:
+            _, late = await asyncio.wait(jobs, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # a failed, late or cancelled group stops its other episodes and collects every outcome
+            for job in jobs:
+                job.cancel()
+            outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+        failed = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, asyncio.CancelledError)]
+        if failed:
+            raise failed[0]
+        if late:
+            raise TimeoutError(f"an episode of task {group.task.id} took longer than env.episode_timeout_s "
+                               f"({timeout:.0f}s)")
+        episodes = outcomes
         for sample in episodes:
             group.samples.append(sample)
             group.tokens += sample.sampled_tokens
@@ -412,7 +438,8 @@ class Orchestrator:
             messages = task.messages(env.system())
             ids = prompt_ids(tok, messages)
             mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [NO_VERSION] * len(ids)
-            routed, end = None, len(ids)
+            routed: RoutedExperts | None = None
+            end = len(ids)
             for _ in range(env_cfg.max_turns):
                 budget = min(o.max_tokens, max_len - len(ids) - 1)
                 if budget <= 0:
@@ -570,5 +597,8 @@ def main(cfg: RunConfig) -> None:
     except RunFailed as exc:
         log(f"error: stopping the run: {exc}")
         sys.exit(1)
+    except PrimerlError as exc:
+        log(f"error: {exc}")
+        sys.exit(2)
     log(f"wrote {cfg.max_steps} batches; done")
     sys.stdout.flush()

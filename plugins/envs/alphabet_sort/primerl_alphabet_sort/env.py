@@ -21,9 +21,7 @@ import attrs
 from primerl.envs import Task
 from primerl.envs.multiturn import MultiTurnConfig, MultiTurnEnv, Turn
 
-NAMES = ("Ada Alan Alice Amir Anna Ben Bruno Carl Chen Clara Dan Dora Eli Emma Eva Felix Finn Gia Grace Hana Hugo "
-         "Ida Ivan Jack Jade Jon Kai Kara Leo Lena Liam Lucy Maya Max Mia Nia Noah Nora Olaf Omar Otto Paul Pia "
-         "Quinn Rosa Ruth Sam Sara Sofia Tara Theo Tom Uma Vera Vik Wes Yara Yuki Zoe Zora").split()
+NAMES = ["Ada", "Alan", "Alice", "Amir", "Anna", "Ben", "Bruno", "Carl", "Chen", "Clara", "Dan", "Dora", "Eli", "Emma", "Eva", "Felix", "Finn", "Gia", "Grace", "Hana", "Hugo", "Ida", "Ivan", "Jack", "Jade", "Jon", "Kai", "Kara", "Leo", "Lena", "Liam", "Lucy", "Maya", "Max", "Mia", "Nia", "Noah", "Nora", "Olaf", "Omar", "Otto", "Paul", "Pia", "Quinn", "Rosa", "Ruth", "Sam", "Sara", "Sofia", "Tara", "Theo", "Tom", "Uma", "Vera", "Vik", "Wes", "Yara", "Yuki", "Zoe", "Zora"]
 
 
 def parse_names(text: str) -> list[str]:

@@ -19,13 +19,7 @@ import attrs
 from primerl.config import EnvConfig
 from primerl.envs import SingleTurnEnv, Task
 
-WORDS = (
-    "apple river stone cloud green light north quiet swift table water yellow amber "
-    "brick candle dance eagle flame grape honey island jelly kite lemon maple night "
-    "ocean pearl queen robin sugar tiger umbra violet wheat xenon yacht zebra bread "
-    "chair dream field glass heart juice knife lunch music noble olive piano quilt "
-    "radio salt train unity voice whale young zone moon star sun rain snow wind leaf"
-).split()
+WORDS = ["apple", "river", "stone", "cloud", "green", "light", "north", "quiet", "swift", "table", "water", "yellow", "amber", "brick", "candle", "dance", "eagle", "flame", "grape", "honey", "island", "jelly", "kite", "lemon", "maple", "night", "ocean", "pearl", "queen", "robin", "sugar", "tiger", "umbra", "violet", "wheat", "xenon", "yacht", "zebra", "bread", "chair", "dream", "field", "glass", "heart", "juice", "knife", "lunch", "music", "noble", "olive", "piano", "quilt", "radio", "salt", "train", "unity", "voice", "whale", "young", "zone", "moon", "star", "sun", "rain", "snow", "wind", "leaf"]
 
 
 def lcs_length(a: str, b: str) -> int:

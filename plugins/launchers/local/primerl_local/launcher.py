@@ -97,7 +97,7 @@ class LocalLauncher:
         view = LiveView(cfg, run_dir)
         try:
             for name in CHILDREN:
-                log = open(run_dir.log(name), "w")
+                log = open(run_dir.log(name), "w")  # noqa: SIM115 - the child keeps it as its stdout
                 procs[name] = subprocess.Popen(
                     [sys.executable, "-m", "primerl.cli", name, "@", str(run_dir.config)],
                     stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent, cwd=os.getcwd(),

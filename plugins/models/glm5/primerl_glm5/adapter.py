@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from primerl.models import HFModelAdapter, ModelConfig
-
 from primerl_glm5.presets import PRESETS, layer_types
 
 

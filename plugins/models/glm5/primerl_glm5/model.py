@@ -46,6 +46,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+
 from primerl.models.batch import Batch
 from primerl.models.decoder import DecoderLM, PreNormLayer
 from primerl.models.layers import (
@@ -59,8 +61,6 @@ from primerl.models.layers import (
     rope_parameters,
 )
 from primerl.models.mla import MLAttention, mla_cache_layout
-from torch import Tensor, nn
-
 from primerl_glm5.presets import layer_types
 
 # ---------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from typing import Any
 
 from primerl.tokenizer import PADDED_VOCAB_SIZE, TOKEN_IDS
 
-
 TINY: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",

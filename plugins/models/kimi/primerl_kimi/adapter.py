@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from primerl.models import HFModelAdapter, ModelConfig
-
 from primerl_kimi.presets import PRESETS, moe_layer_flags
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")

@@ -28,19 +28,19 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch import nn
+
 from primerl.models.decoder import DecoderLM, PreNormLayer
 from primerl.models.layers import (
     FP32_SUFFIXES,
     MLP,
     DeepSeekMoE,
     RMSNorm,
-    yarn_mscale,
     rope_inv_freq,
     rope_parameters,
+    yarn_mscale,
 )
 from primerl.models.mla import MLAttention, mla_cache_layout
-from torch import nn
-
 from primerl_kimi.presets import moe_layer_flags
 
 

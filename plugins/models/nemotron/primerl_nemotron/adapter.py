@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from primerl.models import HFModelAdapter, ModelConfig
-
 from primerl_nemotron.presets import PRESETS, layer_kinds
 
 

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from torch import Tensor, nn
+
 from primerl.models.attention import GQAttention, gqa_cache_layout
 from primerl.models.batch import Batch, mix
 from primerl.models.decoder import DecoderLM
@@ -34,8 +36,6 @@ from primerl.models.layers import (
     SigmoidRouter,
 )
 from primerl.models.mamba2 import Mamba2Mixer, mamba2_state_layout
-from torch import Tensor, nn
-
 from primerl_nemotron.presets import layer_kinds
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from primerl.models import HFModelAdapter, ModelConfig
-
 from primerl_qwen3_moe.presets import PRESETS, moe_layer_flags, num_experts
 
 

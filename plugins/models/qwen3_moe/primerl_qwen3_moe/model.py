@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from torch import Tensor, nn
+
 from primerl.models.attention import GQAttention, gqa_cache_layout
 from primerl.models.decoder import DecoderLM, PreNormLayer
 from primerl.models.layers import (
@@ -28,8 +30,6 @@ from primerl.models.layers import (
     rope_inv_freq,
     rope_parameters,
 )
-from torch import Tensor, nn
-
 from primerl_qwen3_moe.presets import moe_layer_flags, num_experts
 
 
