@@ -227,6 +227,7 @@ class Orchestrator:
         self.failures = Failures(self.o.max_failed_groups)
         self.broken: asyncio.Future[str] | None = None  # set with the cause when the env cannot run its tasks
         self.tasks = self._task_stream()
+        self.eval_tasks: list[Task] = []  # the eval split's first eval_tasks tasks, read at start when eval_every
         self.eval_results: list[dict[str, float]] = []  # finished evaluations, logged with the next batch
         self.evaluations: set[asyncio.Task] = set()
         # rewards may call slow verifiers; one thread per in-flight sample keeps them overlapped
@@ -253,13 +254,13 @@ class Orchestrator:
             rng.shuffle(tasks)
             yield from tasks
 
+    # ---- evaluation -----------------------------------------------------------------------
     def _eval_tasks(self) -> list[Task]:
         tasks = list(itertools.islice(self.env.tasks("eval"), self.o.eval_tasks))
         if not tasks:
             raise RunFailed(f"environment '{self.cfg.env.name}' has no eval tasks: set orchestrator.eval_every 0")
         return tasks
 
-    # ---- evaluation -----------------------------------------------------------------------
     async def evaluate(self, after_batch: int) -> None:
         """Each eval task once, at ``eval_temperature``, with the policy inference serves now.
 
@@ -270,7 +271,8 @@ class Orchestrator:
         groups = [Group(task=t, start_version=version, size=1, temperature=self.o.eval_temperature)
                   for t in self.eval_tasks]
         outcomes = await asyncio.gather(*(self.rollout(g, train=False) for g in groups), return_exceptions=True)
-        rewards = [s.reward for g, o in zip(groups, outcomes) if o is None for s in g.samples]
+        # one episode per task (an agent env's may train as several samples, all with its reward)
+        rewards = [g.samples[0].reward for g, o in zip(groups, outcomes) if o is None and g.samples]
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         for exc in errors[:3]:
             log(f"evaluation after batch {after_batch}: a task failed: {type(exc).__name__}: {exc}")
