@@ -73,7 +73,8 @@ class LiveView:
         return (f"step {r['step']:>4}/{self.cfg.max_steps}  reward {r.get('reward/mean', 0):.3f}  "
                 f"tok/s {r.get('throughput/tokens_per_s', 0):.0f}  staleness {r.get('off_policy/max', 0)}  "
                 f"dropped {r.get('dropped_stale', 0)}  failed {_failed(r)}  mismatch_kl {r.get('mismatch_kl', 0):.2e}  "
-                f"step {r.get('time/step', 0):.2f}s")
+                f"step {r.get('time/step', 0):.2f}s"
+                + (f"  eval {r['eval/reward/mean']:.3f} (v{r['eval/policy_version']})" if "eval/reward/mean" in r else ""))
 
     def _table(self, rows: list[dict[str, Any]]) -> Table:
         t = Table(title=f"primerl: {self.cfg.model.name} on {self.cfg.env.name}  ({time.monotonic() - self.t0:.0f}s)")
