@@ -96,3 +96,49 @@ def test_a_key_naming_a_plugin_that_is_not_installed_fails_at_once(key, kind):
 def test_a_loss_or_advantage_may_be_any_function_given_as_module_attr():
     cfg = load_config(ConfigSources(overrides=[("orchestrator.advantage", "my_pkg.adv:rloo")]))
     assert cfg.orchestrator.advantage == "my_pkg.adv:rloo"  # imported by the process that uses it
+
+
+def test_inference_section_is_validated_by_the_selected_backends_config_class():
+    """A backend with a Config (a subclass of InferenceConfig) owns [inference]: its keys are
+    typed and checked like any section, and its check(run, sources) sees the whole run."""
+    import attrs
+
+    from primerl import hookimpl
+    from primerl.config import InferenceConfig
+    from primerl.registry import Registry
+
+    @attrs.define(kw_only=True)
+    class FakeConfig(InferenceConfig):
+        tensor_parallel_size: int = attrs.field(default=1)
+
+        @tensor_parallel_size.validator
+        def _tp(self, attribute, value):
+            if value < 1:
+                raise ValueError(f"{attribute.name}: must be >= 1, got {value}")
+
+        def check(self, run, sources):
+            if run.trainer.router_replay:
+                raise ConfigError("trainer.router_replay: the fake backend cannot return routed experts")
+
+    class FakeBackend:
+        Config = FakeConfig
+
+    class FakePlugin:
+        @staticmethod
+        @hookimpl
+        def register_inference_backends(register):
+            register("fake", FakeBackend)
+
+    reg = Registry.discover(extra=[FakePlugin])
+    fake = [("inference.backend", "fake")]
+    cfg = load_config(ConfigSources(overrides=[*fake, ("inference.tensor_parallel_size", "4")]), registry=reg)
+    assert type(cfg.inference) is FakeConfig and cfg.inference.tensor_parallel_size == 4
+    with pytest.raises(ConfigError, match=r"inference.tensor_parallel_size.*--inference.tensor_parallel_size.*>= 1"):
+        load_config(ConfigSources(overrides=[*fake, ("inference.tensor_parallel_size", "0")]), registry=reg)
+    with pytest.raises(ConfigError, match="router_replay: the fake backend"):
+        load_config(ConfigSources(overrides=[*fake, ("trainer.router_replay", "true")]), registry=reg)
+    # the default backend keeps the plain section: a backend's key is unknown there
+    with pytest.raises(ConfigError, match="unknown key 'inference.tensor_parallel_size'"):
+        load_config(ConfigSources(overrides=[("inference.tensor_parallel_size", "4")]), registry=reg)
+    text = dump_toml(to_dict(cfg))  # what the launcher writes for its processes reads back the same
+    assert "tensor_parallel_size = 4" in text

@@ -4,7 +4,9 @@
 
 Every section is an attrs class validated at construction. Plugin sections (``[model]``,
 ``[env]``) are validated by the selected plugin's own ``Config`` class, so a third-party
-environment declares its options once and gets the same checks and error messages.
+environment declares its options once and gets the same checks and error messages; so is
+``[inference]`` when the selected backend declares a ``Config`` (a subclass of
+InferenceConfig with its own keys, e.g. vLLM's parallel sizes).
 
 Errors name the key path, where the value came from (file or command line) and what is
 allowed; the CLI prints them and exits with code 2, without a traceback.
@@ -69,6 +71,11 @@ class InferenceConfig:
     dtype: str | None = None  # None: the model section's dtype
     # KV store plugin (register_kv_stores) that keeps finished sequences' KV for prefix reuse
     kv_store: str = "memory"
+
+    def check(self, run: RunConfig, sources: Mapping[str, str]) -> None:
+        """Rules that need the whole run (the backend's device, the model, the trainer's
+        settings); called once the run's config is complete. A backend's ``Config`` (a
+        subclass) overrides it and raises ConfigError naming the key."""
 
 
 @attrs.define(kw_only=True)
@@ -458,13 +465,41 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
         raw = merged
         for path, origin in default_sources.items():
             sources.setdefault(path, origin)
-    top = {k: v for k, v in raw.items() if k not in plugin_sections}
+    inference_cls = _inference_config_class(raw, sources, reg)
+    top = {k: v for k, v in raw.items() if k not in plugin_sections and k != "inference"}
     cfg = structure(RunConfig, top, "", sources)
     for section, cls in plugin_classes.items():
         setattr(cfg, section, structure(cls, raw.get(section, {}), section, sources))
+    cfg.inference = structure(inference_cls, raw.get("inference", {}), "inference", sources)
     cfg.check(sources)
     _check_components(cfg, reg, sources)
+    cfg.inference.check(cfg, sources)  # the backend's rules that need the whole run
     return cfg
+
+
+def _inference_config_class(raw: Mapping[str, Any], sources: Mapping[str, str], reg: Any) -> type:
+    """The class that validates ``[inference]``: the selected backend's ``Config`` (a subclass
+    of InferenceConfig adding its own keys, and optionally ``check(run, sources)`` for rules
+    that span sections), else InferenceConfig."""
+    table = raw.get("inference", {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"'inference' must be a table ({_src(sources, 'inference')})")
+    name = table.get("backend", InferenceConfig().backend)
+    if not isinstance(name, str):
+        return InferenceConfig  # structure() names the wrong type
+    try:
+        target = reg.load("inference_backend", name)
+    except PluginError as exc:
+        raise ConfigError(f"inference.backend = {name!r} ({_src(sources, 'inference.backend')}): {exc}") from None
+    cls = getattr(target, "Config", None)
+    if cls is None:
+        return InferenceConfig
+    if not (isinstance(cls, type) and issubclass(cls, InferenceConfig)):
+        raise ConfigError(
+            f"inference_backend plugin '{name}' declares Config={cls!r}, which is not a subclass of "
+            f"primerl's InferenceConfig; fix the plugin"
+        )
+    return cls
 
 
 # config key -> the plugin kind it names (the plugin sections [model] and [env] are checked above)

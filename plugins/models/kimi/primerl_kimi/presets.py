@@ -6,6 +6,8 @@
   :mod:`primerl.tokenizer`. ``model_type`` is ``deepseek_v3`` so that transformers builds
   it without remote code.
 * ``full``: Kimi K2 as published (1T total / 32B active parameters).
+* ``tiny-vllm``: ``tiny`` with Kimi K2's MLA latent width (512 + 64), which vLLM's CPU
+  kernel needs.
 """
 
 from __future__ import annotations
@@ -107,7 +109,12 @@ FULL: dict[str, Any] = {
     "dtype": "bfloat16",
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "full": FULL}
+# ``tiny`` with the MLA latent of the real model (kv_lora_rank 512 + qk_rope_head_dim 64 =
+# 576), the one width vLLM's CPU MLA kernel serves: the preset the vllm inference backend
+# picks on CPU (docs/vllm.md). About 2.2M parameters; everything else as ``tiny``.
+TINY_VLLM: dict[str, Any] = {**TINY, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "full": FULL, "tiny-vllm": TINY_VLLM}
 
 
 def moe_layer_flags(hf: dict[str, Any]) -> list[bool]:

