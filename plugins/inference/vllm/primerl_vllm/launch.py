@@ -29,7 +29,6 @@ to whatever of the group is left after a grace period.
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import re
 import signal
@@ -41,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from primerl.children import own_group_and_die_with_parent
 from primerl.errors import PrimerlError
 
 GRACE_SECONDS = 15.0
@@ -106,15 +106,6 @@ def vllm_env(cfg: Any) -> dict[str, str]:
     return env
 
 
-def _own_group_and_die_with_parent() -> None:  # runs in the child before exec
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 # what vLLM prints when the environment, not the config, is broken -> the fix, in one line
 KNOWN_FAILURES = (
     ("torchvision::nms does not exist",
@@ -140,7 +131,7 @@ class VllmServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_own_group_and_die_with_parent,
+                                     stdin=subprocess.DEVNULL, preexec_fn=own_group_and_die_with_parent,
                                      text=True, errors="replace", bufsize=1)
         threading.Thread(target=self._pump, name="vllm-log", daemon=True).start()
 

@@ -18,7 +18,6 @@ torch tens of times slower.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -27,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from primerl.children import own_group_and_die_with_parent
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
 from primerl.rundir import RunDir
@@ -48,15 +48,6 @@ def _port_free(host: str, port: int) -> bool:
             return True
         except OSError:
             return False
-
-
-def _die_with_parent() -> None:  # runs in the child before exec
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Interrupted(Exception):
@@ -100,7 +91,7 @@ class LocalLauncher:
                 log = open(run_dir.log(name), "w")  # noqa: SIM115 - the child keeps it as its stdout
                 procs[name] = subprocess.Popen(
                     [sys.executable, "-m", "primerl.cli", name, "@", str(run_dir.config)],
-                    stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent, cwd=os.getcwd(),
+                    stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=own_group_and_die_with_parent, cwd=os.getcwd(),
                 )
             with view:
                 while True:
