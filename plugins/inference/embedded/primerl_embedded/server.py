@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from primerl import inference as api
 from primerl.envs.multiturn import split_tool_calls
 from primerl_embedded.engine import Engine, RequestError, SamplingParams, Sequence
+from primerl_embedded.frontend import TokenizerFrontend, error
 from primerl_embedded.protocol import (
     ChatCompletionRequest,
     ChatTokensRequest,
@@ -54,11 +55,7 @@ from primerl_embedded.protocol import (
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": status}})
-
-
-class Handlers:
+class Handlers(TokenizerFrontend):
     """The endpoints of one server, as methods over its state.
 
     ``load_weights(path)`` prepares a checkpoint (outside the engine's step gap) and returns
@@ -111,9 +108,6 @@ class Handlers:
         )
 
     # ---- shaping responses -------------------------------------------------------------------
-    def piece(self, tok: int) -> str:
-        return self.tokenizer.decode([tok])
-
     def text_of(self, seq: Sequence) -> str:
         if seq.stop_text_at is not None:
             return self.tokenizer.decode(seq.output_ids)[: seq.stop_text_at]
@@ -165,30 +159,6 @@ class Handlers:
                               for k, v in alts.items()],
             ))
         return api.ChatLogprobs(content=content)
-
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
-               template_kwargs: dict[str, Any] | None) -> list[int]:
-        """Token ids of a conversation through the chat template; ValueError names what failed."""
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=False, **(template_kwargs or {}))
-        except Exception as exc:
-            raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-    def prompts_of(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
-        """Token ids of each prompt of a completion request, and its text when given as text
-        (echo returns it verbatim); ValueError when the prompt is none of the accepted shapes."""
-        p, enc = req.prompt, self.tokenizer.encode
-        if isinstance(p, str):
-            return [enc(p, add_special_tokens=False)], [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)], [None]  # type: ignore[arg-type]
-        if p and all(isinstance(x, str) for x in p):
-            return [enc(x, add_special_tokens=False) for x in p], list(p)  # type: ignore[arg-type]
-        if p and all(isinstance(x, list) for x in p):
-            return [list(x) for x in p], [None] * len(p)  # type: ignore[union-attr]
-        raise ValueError("prompt must be a non-empty string, list of strings, or token id list(s)")
 
     # ---- OpenAI API --------------------------------------------------------------------------
     async def health(self) -> api.Health:

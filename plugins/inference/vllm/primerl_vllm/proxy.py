@@ -45,6 +45,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from primerl_embedded import protocol
+from primerl_embedded.frontend import TokenizerFrontend, error
 from pydantic import field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -88,11 +89,6 @@ class UpstreamError(Exception):
     def __init__(self, status: int, body: Any) -> None:
         super().__init__(f"{status}: {body}")
         self.status, self.body = status, body
-
-
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
-                                                               "code": status}})
 
 
 def upstream_error(exc: UpstreamError) -> JSONResponse:
@@ -145,7 +141,7 @@ def prometheus_value(text: str, name: str) -> float:
     return total
 
 
-class Proxy:
+class Proxy(TokenizerFrontend):
     """The endpoints of one primerl server in front of one vLLM server."""
 
     def __init__(self, upstream: str, tokenizer: Any, model_name: str, *, max_model_len: int,
@@ -238,9 +234,6 @@ class Proxy:
         return params
 
     # ---- shaping responses --------------------------------------------------------------------
-    def piece(self, tok: int) -> str:
-        return self.tokenizer.decode([tok])
-
     def text_of(self, ids: list[int], stop_reason: Any) -> str:
         """The choice's text; a stop string ends it (vLLM keeps every token it sampled)."""
         if isinstance(stop_reason, str):
@@ -267,27 +260,6 @@ class Proxy:
     def usage(prompt_tokens: int, completion_tokens: int) -> api.Usage:
         return api.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens)
-
-    def prompts_of(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
-        p, enc = req.prompt, self.tokenizer.encode
-        if isinstance(p, str):
-            return [enc(p, add_special_tokens=False)], [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)], [None]  # type: ignore[arg-type]
-        if p and all(isinstance(x, str) for x in p):
-            return [enc(x, add_special_tokens=False) for x in p], list(p)  # type: ignore[arg-type]
-        if p and all(isinstance(x, list) for x in p):
-            return [list(x) for x in p], [None] * len(p)  # type: ignore[union-attr]
-        raise ValueError("prompt must be a non-empty string, list of strings, or token id list(s)")
-
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
-               template_kwargs: dict[str, Any] | None) -> list[int]:
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=False, **(template_kwargs or {}))
-        except Exception as exc:
-            raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def completion_logprobs(self, ids: list[int], entries: list[dict[str, Any]], k: int, prompt_ids: list[int] | None,
                             prompt_lps: list[Any] | None) -> api.CompletionLogprobs:
@@ -403,6 +375,8 @@ class Proxy:
         return await self.chat_completion(req, ids)
 
     async def chat_tokens(self, req: ChatTokensRequest) -> Any:
+        """A chat turn whose prompt arrives as token ids: the engine's own tokens of the earlier
+        turns plus the new turn's, so nothing the model produced is re-tokenized."""
         return await self.chat_completion(req, list(req.tokens))
 
     async def tokenize(self, req: protocol.TokenizeRequest) -> Any:
