@@ -203,8 +203,9 @@ def test_weight_update_in_flight_keeps_requests_and_stamps_each_token_with_its_v
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while httpx.get(server + "/admin/status").json()["running"] < 6:  # all six are decoding
-        assert time.monotonic() < deadline, f"the requests never ran: {results}"
+    # half of them decoding is enough (waiting for all six raced with the first to finish)
+    while httpx.get(server + "/admin/status").json()["running"] < 3:
+        assert time.monotonic() < deadline, f"the requests never ran: {[r['status'] for r in results]}"
         time.sleep(0.05)
     bad = httpx.post(server + "/admin/weights", json={"path": str(b / "missing"), "version": 1}, timeout=60)
     assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
