@@ -47,7 +47,7 @@ def main() -> None:
 
     from primerl.config import ConfigSources, load_config
     from primerl.trainer.loss import get_loss
-    from primerl.trainer.main import build_model
+    from primerl.trainer.main import build_model, load_parallelism
     from primerl.trainer.optim import make_optimizer
     from primerl.trainer.packing import pack
     from primerl.trainer.step import rl_step
@@ -66,7 +66,7 @@ def main() -> None:
                 model.unpack_segments = unpack
                 optimizer = make_optimizer(model, 0.0, 0.0)  # lr 0: every round sees the same weights
                 t0 = time.perf_counter()
-                rl_step(model, optimizer, pack(batch, seq_len), loss_fn, cfg)
+                rl_step(model, optimizer, pack(batch, seq_len), loss_fn, cfg, load_parallelism("single"))
                 times[unpack].append(time.perf_counter() - t0)
         masked, per_seq = statistics.median(times[False]), statistics.median(times[True])
         ratios[name] = round(masked / per_seq, 2)

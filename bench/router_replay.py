@@ -66,6 +66,7 @@ def train(name: str, args) -> tuple:
     """A tiny ``name`` model with the real routing shape, SFT-trained on reverse-text answers."""
     from primerl.config import RunConfig
     from primerl.registry import get_registry
+    from primerl.trainer.main import load_parallelism
     from primerl.trainer.sft import sft_warmup
 
     cfg = RunConfig()
@@ -81,7 +82,7 @@ def train(name: str, args) -> tuple:
         hf = routing_shape(name, hf, args.experts, args.top_k, args.moe_layers, args.expert_width)
     model = adapter.build_from_hf(hf, seed=args.seed).train()
     tokenizer = adapter.tokenizer(cfg.model)
-    sft_warmup(cfg, model, tokenizer)
+    sft_warmup(cfg, model, tokenizer, load_parallelism("single"))
     env = get_registry().load("env", "reverse-text")(cfg.env)
     return model.eval(), tokenizer, env
 

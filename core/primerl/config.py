@@ -79,6 +79,44 @@ class InferenceConfig:
 
 
 @attrs.define(kw_only=True)
+class ParallelConfig:
+    """The ``[trainer.parallel]`` section: the trainer's device mesh, as torchtitan lays it
+    out. ``dp_replicate x dp_shard x cp`` is the number of ranks (nodes x nproc);
+    expert parallel ``ep`` is carved out of ``dp_shard x cp`` (it must divide it)."""
+
+    dp_replicate: int = attrs.field(default=1, validator=_positive)  # replicas (HSDP's outer dimension)
+    dp_shard: int = attrs.field(default=-1)  # FSDP2 shards; -1: the ranks the other dimensions leave
+    cp: int = attrs.field(default=1, validator=_positive)  # context parallel: each row's tokens split
+    ep: int = attrs.field(default=1, validator=_positive)  # expert parallel: routed experts split
+    cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in CPU memory
+
+    def world_size(self) -> int | None:
+        """Ranks the layout needs, or None when ``dp_shard`` fills whatever is given."""
+        return None if self.dp_shard == -1 else self.dp_replicate * self.dp_shard * self.cp
+
+    def is_trivial(self) -> bool:
+        return self.dp_replicate == 1 and self.dp_shard in (-1, 1) and self.cp == 1 and self.ep == 1
+
+    def resolved(self, world_size: int) -> ParallelConfig:
+        """These settings for ``world_size`` ranks, ``dp_shard`` filled in; a ConfigError
+        names the keys of a layout that does not fit."""
+        rest = self.dp_replicate * self.cp
+        dp_shard = world_size // rest if self.dp_shard == -1 else self.dp_shard
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ConfigError(f"trainer.parallel.dp_shard must be positive or -1 (the ranks the others leave), "
+                              f"got {self.dp_shard}")
+        if dp_shard < 1 or self.dp_replicate * dp_shard * self.cp != world_size:
+            raise ConfigError(
+                f"[trainer.parallel] dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x cp ({self.cp}) "
+                f"must equal the trainer's ranks, nodes x trainer.nproc = {world_size}: change trainer.nproc or "
+                f"the [trainer.parallel] sizes")
+        if (dp_shard * self.cp) % self.ep:
+            raise ConfigError(f"trainer.parallel.ep ({self.ep}) must divide dp_shard x cp ({dp_shard} x {self.cp}): "
+                              f"expert parallel is carved out of the FSDP ranks")
+        return attrs.evolve(self, dp_shard=dp_shard)
+
+
+@attrs.define(kw_only=True)
 class TrainerConfig:
     """The ``[trainer]`` section: optimisation and weight publishing."""
 
@@ -102,10 +140,35 @@ class TrainerConfig:
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = only at the end
     # how weights reach inference: "filesystem" (HF checkpoints in the run directory, any
     # node) or "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)
-    weight_channel: Literal["filesystem", "shm"] = "filesystem"
+    weight_channel: Literal["filesystem", "shm", "nccl"] = "filesystem"
     # the parallelism plugin that lays the model out over the trainer's processes
-    # (primerl.parallel.Parallelism; "single": one process, nothing sharded)
-    parallelism: str = "single"
+    # (primerl.parallel.Parallelism): "auto" is "single" (one process, nothing sharded)
+    # for one rank and "fsdp" (FSDP2 with expert and context parallel) for more
+    parallelism: str = "auto"
+    # trainer processes per node, started with torchrun when more than one
+    nproc: int = attrs.field(default=1, validator=_positive)
+    # "auto": CUDA when present (bf16 compute, fp32 master weights), else the CPU (fp32)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # block-scaled FP8 matmuls, the DeepSeek-V3 recipe (weights in 128x128 blocks,
+    # activations in 1x128 tiles, e4m3, fp32 scales); routers, norms, embeddings and the
+    # head stay high precision. Emulated with torch's float8 dtypes on CPU.
+    fp8: bool = False
+    parallel: ParallelConfig = attrs.field(factory=lambda: ParallelConfig())
+
+    def resolved_parallelism(self) -> str:
+        """The strategy ``parallelism`` names: ``auto`` is ``single`` for one process with
+        the default layout, else ``fsdp``."""
+        if self.parallelism != "auto":
+            return self.parallelism
+        return "single" if self.nproc == 1 and self.parallel.is_trivial() else "fsdp"
+
+    def resolved_device(self) -> str:
+        """``device``, with ``auto`` resolved: CUDA when torch sees a GPU."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @attrs.define(kw_only=True)
@@ -182,6 +245,11 @@ class RunConfig:
             )
         if not 0 < o.top_p <= 1:
             raise ConfigError(f"orchestrator.top_p must be in (0, 1], got {o.top_p}")
+        self.trainer.parallel.resolved(self.trainer_world_size())
+
+    def trainer_world_size(self) -> int:
+        """The trainer's ranks: its nodes (one with the local launcher) x ``trainer.nproc``."""
+        return self.trainer.nproc * int(getattr(self.launcher, "trainer_nodes", 1))
 
 
 # --------------------------------------------------------------------------------------
@@ -524,6 +592,8 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
         if field not in attrs.fields_dict(type(table)):
             continue
         name = getattr(table, field)
+        if key == "trainer.parallelism":
+            name = cfg.trainer.resolved_parallelism()
         try:
             reg.find(kind, name)
         except PluginError as exc:

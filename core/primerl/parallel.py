@@ -1,39 +1,36 @@
 """How the trainer lays a model out over processes: the ``Parallelism`` extension point.
 
 A parallelism strategy is a plugin component (hook ``register_parallelisms``, selected by
-``trainer.parallelism``, default ``single``). The trainer calls it once, right after the
-model adapter has built the model:
+``trainer.parallelism``; ``auto`` picks ``single`` for one rank and ``fsdp`` for more).
+The trainer runs as ``trainer.nproc`` processes per node (torchrun starts them when more
+than one); :func:`init_trainer_group` joins them in one process group (gloo on CPU, NCCL
+on GPUs). Then it calls the strategy, once, right after the model adapter has built the
+model on every rank:
 
-1. ``mesh_shape(world_size)``: the named mesh dimensions the strategy uses and their
-   sizes; the trainer creates the process group and ``init_device_mesh`` from it
-   (:func:`device_mesh`).
-2. ``parallelize(model, mesh, build_optimizer)``: wraps or shards the model on the mesh,
-   builds the optimizer over the parameters it will train, and returns both with a
+1. ``mesh_shape(world_size, settings)``: the named dimensions of the world mesh and their
+   sizes, from ``[trainer.parallel]`` (:class:`primerl.config.ParallelConfig`); the
+   trainer creates the ``DeviceMesh`` from it (:func:`device_mesh`).
+2. ``parallelize(model, mesh, build_optimizer)``: wraps or shards the model on the mesh
+   (a strategy may build further views of it, e.g. expert parallel's), builds the
+   optimizer over the parameters it will train, and returns both with a
    :class:`ParallelLayout`, which the trainer logs once and publishing consults.
-3. ``full_weights(model)``: whenever the trainer publishes weights, the model's full
+3. Every step: ``local_rows(num_rows)`` says which packed rows this rank trains (its data
+   parallel share, padded with ``None`` so every rank runs as many forwards as the others:
+   collectives inside the forward need every rank), ``local_tokens(rows)`` cuts the rows'
+   tokens to this rank's context-parallel share, ``clip_grad_norm_`` clips with the norm
+   over every shard, and ``sum_over_ranks`` adds up per-rank statistics (losses, counts).
+4. ``full_weights(model)``: whenever the trainer publishes weights, the model's full
    (unsharded) tensors, one *unit* (a decoder layer, the embeddings...) at a time, so
-   that no rank ever holds the whole unsharded model.
+   that no rank ever holds the whole unsharded model; only global rank 0 gets tensors and
+   writes them (HF checkpoints, the shm channel).
 
 Why an optimizer *factory*, not an optimizer: FSDP2's ``fully_shard`` replaces every
 parameter with a sharded ``DTensor`` one, so an optimizer built before would step on
 tensors the model no longer uses (torchtitan builds it after parallelizing, too).
 
-Today the trainer is one process and ``single`` (no sharding, plugin
-``plugins/parallelisms/single``) is the only strategy. What the contract already says for
-the next ones — FSDP2 over ``dp_shard``, expert parallel over ``ep``, context parallel
-over ``cp``, on several ranks:
-
-* the mesh dimensions are the strategy's to name (``mesh_shape``); the layout records
-  what is split over each one (:class:`Shard`: parameters, experts, the packed rows'
-  sequence dimension, or the rows themselves);
-* publishing gathers weights unit by unit through ``full_weights``: every rank calls it
-  (it runs collectives), only the publishing rank (global rank 0) gets tensors and
-  writes them; the units are the model's ``parallel_plan()["fsdp_units"]`` when it has
-  one, the natural granularity of an FSDP2 all-gather;
-* the trainer writes HF checkpoints and resumable checkpoints from a full model only, so
-  it refuses, at start, a layout whose parameters are sharded
-  (:func:`primerl.trainer.publish.check_layout`) until gathered checkpoint writing
-  exists.
+The loss is normalised by the step's loss-token count over the whole batch, so each
+rank's loss is its share of one process's loss and gradients are *summed* over ranks
+(never averaged: that would divide by the number of ranks a second time).
 
 This module stays light (torch is imported inside functions): plugin modules and the
 docs import it for the types.
@@ -44,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import attrs
 
@@ -53,6 +50,8 @@ from primerl.errors import PrimerlError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch.distributed.device_mesh import DeviceMesh
+
+    from primerl.config import ParallelConfig
 
 # The module name of the root unit: every tensor not inside another unit (final norm...).
 ROOT_UNIT = ""
@@ -119,10 +118,11 @@ class Parallelism(Protocol):
     """A trainer parallelism strategy (the target a ``register_parallelisms`` plugin
     registers is a class; the trainer instantiates it with no arguments)."""
 
-    def mesh_shape(self, world_size: int) -> dict[str, int]:
-        """The named mesh dimensions this strategy uses and their sizes, in mesh order, for
-        ``world_size`` ranks (their product must be ``world_size``). Raise
-        :class:`primerl.errors.PrimerlError` for a world size it cannot use."""
+    def mesh_shape(self, world_size: int, settings: ParallelConfig) -> dict[str, int]:
+        """The named dimensions of the world mesh and their sizes, in mesh order, for
+        ``world_size`` ranks and the ``[trainer.parallel]`` settings (their product must
+        be ``world_size``). Raise :class:`primerl.errors.PrimerlError` naming the settings
+        for a combination it cannot use."""
         ...
 
     def parallelize(
@@ -137,31 +137,100 @@ class Parallelism(Protocol):
         the parameter names of the unwrapped model (publishing maps them to HF names)."""
         ...
 
+    def local_rows(self, num_rows: int) -> list[int | None]:
+        """The packed rows (indices into the step's ``num_rows``, the same on every rank)
+        this rank trains, padded with ``None`` to as many as any rank gets: a ``None`` is a
+        forward over an empty row that only takes part in the collectives."""
+        ...
+
+    def local_tokens(self, rows: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """This rank's share of the tokens of a micro-batch of packed rows (every tensor is
+        ``[k, m, ...]``); the identity unless the strategy splits sequences (context parallel)."""
+        ...
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Clip the gradients in place to ``max_norm`` over every shard of every parameter;
+        returns the norm before clipping (the same on every rank)."""
+        ...
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a float64 vector of per-rank statistics) summed over the ranks that
+        split the batch (data and context parallel); the same result on every rank."""
+        ...
+
     def full_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """``(unit, {name: full tensor})`` for each unit of the layout, in its order, with
         the names of ``model.state_dict()``; together the units cover every tensor once.
         Every rank must iterate to the end (a sharded strategy all-gathers one unit per
-        step); ranks other than global rank 0 may receive empty dicts. Tensors may be
-        views of the model's own (valid until the next optimizer step)."""
+        step); ranks other than global rank 0 receive empty dicts. Tensors may be views of
+        the model's own (valid until the next optimizer step)."""
         ...
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state as a ``torch.distributed.checkpoint`` state dict, keyed by
+        parameter names, each rank's shards as DTensors (so DCP can reshard it to another
+        layout on load); also the buffer ``dcp.load`` fills in place before
+        ``load_optimizer_state``."""
+        ...
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        """Put ``state`` (``optimizer_state``'s dict, filled by ``dcp.load``) into the optimizer."""
+        ...
+
+
+def init_trainer_group(device: str) -> bool:
+    """Join the trainer's ranks in one default process group when torchrun started them
+    (``WORLD_SIZE`` > 1 in the environment): gloo on CPU, NCCL on CUDA. Returns whether it
+    created the group (the caller then destroys it at exit); a group that already exists is
+    left alone, and one process needs none (:func:`device_mesh` makes a 1-rank group)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return True
+
+
+def barrier() -> None:
+    """Wait for every trainer rank (nothing to wait for in one process)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def is_publisher() -> bool:
+    """Whether this rank writes what the trainer shares (weights, metrics, checkpoints,
+    logs): global rank 0, or the only process."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 @contextmanager
 def device_mesh(shape: Mapping[str, int], device_type: str = "cpu") -> Iterator[DeviceMesh]:
-    """A process group and a ``DeviceMesh`` of ``shape`` for the trainer's lifetime.
+    """A ``DeviceMesh`` of ``shape`` over the trainer's process group, for its lifetime.
 
-    The trainer runs as one process today: this makes a 1-rank gloo group on an in-memory
-    store (no ports, no environment variables) and destroys it on exit. A group that
-    already exists (a caller's, e.g. under torchrun) is used as it is and left alone.
+    Under torchrun the group exists (:func:`init_trainer_group`) and is used as it is. One
+    process gets a 1-rank gloo group on an in-memory store (no ports, no environment
+    variables), destroyed on exit.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     owned = not dist.is_initialized()
+    ranks = dist.get_world_size() if not owned else 1
+    if math.prod(shape.values()) != ranks:
+        raise PrimerlError(f"the mesh {dict(shape)} needs {math.prod(shape.values())} ranks but the trainer has "
+                           f"{ranks}: set trainer.nproc (per node) so that nodes x nproc matches [trainer.parallel]")
     if owned:
-        if math.prod(shape.values()) != 1:
-            raise PrimerlError(f"mesh {dict(shape)} needs {math.prod(shape.values())} ranks; the trainer "
-                               f"runs as one process (multi-rank launching is not implemented yet)")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))

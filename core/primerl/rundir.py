@@ -24,7 +24,7 @@ STABLE = "STABLE"  # written last into weights/step_n: the step is complete
 SHM_LINK = "shm.safetensors"  # in weights/step_n when the trainer used the shm channel
 TRAINER_STATE = "trainer_state.pt"  # written into checkpoints/step_n: the checkpoint is complete
 _STEP = re.compile(r"step_(\d{6,})$")
-_TMP_PREFIX = ".tmp_"
+TMP_PREFIX = ".tmp_"
 
 
 def step_name(n: int) -> str:
@@ -132,7 +132,7 @@ class RunDir:
     def remove_partial_writes(self) -> None:
         """Delete directories a process left half-written when it died mid-write."""
         for parent in (self.weights, self.checkpoints):
-            for stale in parent.glob(f"{_TMP_PREFIX}*") if parent.is_dir() else ():
+            for stale in parent.glob(f"{TMP_PREFIX}*") if parent.is_dir() else ():
                 shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -145,7 +145,7 @@ def _steps(parent: Path, complete: Callable[[Path], bool]) -> list[int]:
 def write_dir_atomically(final: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp_dir)``, then rename the temporary directory to ``final``."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f"{_TMP_PREFIX}{final.name}_{os.getpid()}")
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}_{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
     if final.exists():

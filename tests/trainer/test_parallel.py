@@ -5,13 +5,13 @@ import torch
 import torch.distributed as dist
 
 from primerl import hookimpl, registry
+from primerl.config import ParallelConfig
 from primerl.errors import PluginError, PrimerlError
 from primerl.models import ModelConfig
 from primerl.parallel import ROOT_UNIT, Parallelism, ParallelLayout, Shard, device_mesh, unit_of
 from primerl.registry import Registry
 from primerl.trainer.main import load_parallelism
 from primerl.trainer.optim import make_optimizer
-from primerl.trainer.publish import check_layout
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +23,18 @@ def tiny_model():
 def test_single_is_found_through_the_registry_and_meets_the_protocol():
     strategy = load_parallelism("single")
     assert isinstance(strategy, Parallelism)
-    assert strategy.mesh_shape(1) == {"dp_replicate": 1}
+    assert strategy.mesh_shape(1, ParallelConfig()) == {"dp_replicate": 1}
     with pytest.raises(PrimerlError, match="one process"):
-        strategy.mesh_shape(2)
+        strategy.mesh_shape(2, ParallelConfig())
+    with pytest.raises(PrimerlError, match="use trainer.parallelism fsdp"):
+        strategy.mesh_shape(1, ParallelConfig(ep=2))
     with pytest.raises(PluginError, match="no parallelism named 'fsdp9'. Available: .*single"):
         load_parallelism("fsdp9")
 
 
 def test_single_lays_out_by_parallel_plan_and_yields_every_weight_once(tiny_model):
     strategy = load_parallelism("single")
-    with device_mesh(strategy.mesh_shape(1)) as mesh:
+    with device_mesh(strategy.mesh_shape(1, ParallelConfig())) as mesh:
         assert dist.is_initialized() and mesh.mesh_dim_names == ("dp_replicate",)
         model, optimizer, layout = strategy.parallelize(tiny_model, mesh, lambda m: make_optimizer(m, 1e-3, 0.0))
     assert not dist.is_initialized()  # the group made for the run is gone
@@ -43,7 +45,6 @@ def test_single_lays_out_by_parallel_plan_and_yields_every_weight_once(tiny_mode
                                     units=(*plan["fsdp_units"], ROOT_UNIT))
     assert layout.world_size == 1 and not layout.shards_weights
     assert layout.describe().startswith("single on mesh (dp_replicate=1): nothing sharded")
-    check_layout(layout)
 
     parts = list(strategy.full_weights(model))
     assert [unit for unit, _ in parts] == list(layout.units)  # in the layout's order
@@ -63,18 +64,16 @@ def test_unit_of_matches_whole_module_names():
     assert unit_of("model.norm.weight", units) == ROOT_UNIT
 
 
-def test_a_sharded_layout_is_refused_before_training():
+def test_a_sharded_layout_describes_what_it_splits():
     layout = ParallelLayout(strategy="fsdp2", mesh={"dp_shard": 4, "ep": 2},
                             shards=(Shard("parameters", "dp_shard"), Shard("experts", "ep", ("model.layers.1.mlp",))))
     assert layout.world_size == 8 and layout.shards_weights
     assert "experts of model.layers.1.mlp over ep" in layout.describe()
-    with pytest.raises(PrimerlError, match="shards weights"):
-        check_layout(layout)
     assert not ParallelLayout(strategy="dp", mesh={"dp": 2}, shards=(Shard("rows", "dp"),)).shards_weights
 
 
-def test_a_multi_rank_mesh_needs_a_launcher():
-    with pytest.raises(PrimerlError, match="needs 2 ranks"), device_mesh({"dp_shard": 2}):
+def test_a_multi_rank_mesh_needs_the_ranks():
+    with pytest.raises(PrimerlError, match="needs 2 ranks but the trainer has 1"), device_mesh({"dp_shard": 2}):
         pass
     assert not dist.is_initialized()
 
@@ -105,7 +104,7 @@ def test_shm_publishing_writes_what_full_weights_yields(tiny_model, tmp_path):
 
     run = RunDir(tmp_path)
     strategy = load_parallelism("single")
-    with device_mesh(strategy.mesh_shape(1)) as mesh:
+    with device_mesh(strategy.mesh_shape(1, ParallelConfig())) as mesh:
         model, _, _ = strategy.parallelize(tiny_model, mesh, lambda m: make_optimizer(m, 1e-3, 0.0))
     try:
         for n in (0, 1):

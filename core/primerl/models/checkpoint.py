@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +71,12 @@ class HFFormat:
         return re.compile(rf"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<part>{parts})\.weight")
 
 
-def to_hf(state: dict[str, Any], fmt: HFFormat, *, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, Any]]:
-    """(published name, tensor) of a model state dict: fused experts split into per-expert
-    views (no copies), prefixes renamed. ``skip``: names to leave out (a tied lm_head)."""
+def to_hf(state: Iterable[tuple[str, Any]], fmt: HFFormat, *, skip: tuple[str, ...] = ()
+          ) -> Iterator[tuple[str, Any]]:
+    """(published name, tensor) of a model state dict's items: fused experts split into
+    per-expert views (no copies), prefixes renamed. ``skip``: names to leave out (a tied lm_head)."""
     fused = {f.param: f for f in fmt.experts}
-    for name, t in state.items():
+    for name, t in state:
         if name in skip:
             continue
         head, _, param = name.rpartition(".")
@@ -218,12 +219,18 @@ def load_checkpoint(model: Any, directory: str | Path, fmt: HFFormat, *, num_lay
 
 
 def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any], fmt: HFFormat, *,
-                    tokenizer: Any = None, tied: bool = False, max_shard_bytes: int = 5 * 2**30) -> Path:
+                    tokenizer: Any = None, tied: bool = False, max_shard_bytes: int = 5 * 2**30,
+                    state: Iterable[tuple[str, Any]] | None = None) -> Path:
     """Write ``model`` as an HF checkpoint that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     ``config.json`` (``hf_config`` with the model's dtype), ``model.safetensors`` (or shards
     of at most ``max_shard_bytes`` with ``model.safetensors.index.json``) and, when given,
     the tokenizer's files. Returns the directory.
+
+    ``state``: the ``(name, tensor)`` pairs to write, in ``model.state_dict()``'s names,
+    instead of the model's own: a sharded trainer passes the tensors it gathers unit by
+    unit, and each shard file is written as soon as it is full, so no more than one shard
+    and one unit are held at once.
     """
     from safetensors.torch import save_file
 
@@ -238,30 +245,39 @@ def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any]
                 hf[key] = getattr(tokenizer, key)
     (directory / CONFIG_NAME).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
 
-    # Group tensors into shards, in order, each under max_shard_bytes (a larger tensor
-    # gets a shard of its own).
-    shards: list[list[tuple[str, Any]]] = [[]]
-    size = 0
-    for name, t in to_hf(model.state_dict(), fmt, skip=("lm_head.weight",) if tied else ()):
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, t))
-        size += nbytes
-
     for stale in [directory / INDEX_NAME, *directory.glob("model-*-of-*.safetensors"), directory / WEIGHTS_NAME]:
         stale.unlink(missing_ok=True)
+    # Shards in order, each under max_shard_bytes (a larger tensor gets a shard of its own),
+    # written as they fill; named model-i-of-N once N is known.
+    written: list[tuple[Path, list[str]]] = []
+    pending: dict[str, Any] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal size
+        if pending:
+            path = directory / f".shard-{len(written) + 1:05d}.safetensors"
+            save_file(pending, str(path), metadata={"format": "pt"})
+            written.append((path, list(pending)))
+            pending.clear()
+        size = 0
+
+    pairs = model.state_dict().items() if state is None else state
+    for name, t in to_hf(pairs, fmt, skip=("lm_head.weight",) if tied else ()):
+        nbytes = t.numel() * t.element_size()
+        if pending and size + nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t.detach().to("cpu").contiguous()
+        size += nbytes
+        total += nbytes
+    flush()
+
     weight_map: dict[str, str] = {}
-    total = 0
-    for i, shard in enumerate(shards):
-        fname = WEIGHTS_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in shard}
-        save_file(tensors, str(directory / fname), metadata={"format": "pt"})
-        for name, t in tensors.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    if len(shards) > 1:
+    for i, (path, names) in enumerate(written):
+        fname = WEIGHTS_NAME if len(written) == 1 else f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        path.rename(directory / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+    if len(written) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

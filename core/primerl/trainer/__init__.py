@@ -16,5 +16,9 @@ Importing this package imports nothing heavy; the orchestrator uses
 
 
 def log(msg: str) -> None:
-    """The trainer's log line (its stdout goes to ``logs/trainer.log``)."""
-    print(f"[trainer] {msg}", flush=True)
+    """The trainer's log line (its stdout goes to ``logs/trainer.log``); with several ranks
+    only global rank 0 logs (the others would repeat it)."""
+    from primerl.parallel import is_publisher
+
+    if is_publisher():
+        print(f"[trainer] {msg}", flush=True)

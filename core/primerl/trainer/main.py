@@ -2,16 +2,21 @@
 
 What it does, in order (files per docs/architecture.md, paths from ``RunDir``):
 
-1. Build the model (float32, whatever dtype inference serves in) from the model plugin,
-   and lay it out with the parallelism plugin (``trainer.parallelism``) on a device
-   mesh, which also builds AdamW; then the LR schedule. Resume from the newest complete
-   ``checkpoints/step_N`` if any.
+1. Join the other trainer ranks when torchrun started several (``trainer.nproc``); build
+   the model (float32 master weights, whatever dtype inference serves in) from the model
+   plugin, on ``trainer.device``; load the newest complete ``checkpoints/step_N`` into it
+   if any; lay it out with the parallelism plugin (``trainer.parallelism``) on a device
+   mesh, which also builds AdamW; then the LR schedule and the optimizer state.
 2. Otherwise: optional SFT warm-up on the env's reference answers (``[sft]``), then
    publish v0 as ``weights/step_000000`` so the orchestrator can start.
 3. For n = start+1 .. max_steps: wait for ``rollouts/step_n.pt``, read it
    (``primerl.samples.read_batch``), pack it, one optimizer step, publish
    ``weights/step_n`` + ``STABLE``, prune old weights, append a line to
    ``metrics.jsonl``, checkpoint every ``trainer.checkpoint_every`` steps and at the end.
+
+With several ranks every rank reads every batch and packs it the same way; the strategy
+says which rows and tokens each trains; global rank 0 alone writes weights, metrics and
+logs (checkpoints are written by all: each its optimizer shards).
 
 Why this shape: the trainer never talks to the other processes except through files that
 appear atomically (written under a temporary name, then renamed), so it runs unchanged
@@ -31,8 +36,8 @@ import attrs
 import torch
 
 from primerl.config import RunConfig
-from primerl.errors import PluginError
-from primerl.parallel import Parallelism, device_mesh, world_size
+from primerl.errors import PluginError, PrimerlError
+from primerl.parallel import Parallelism, barrier, device_mesh, init_trainer_group, is_publisher, world_size
 from primerl.rundir import RunDir, step_name
 from primerl.samples import read_batch
 from primerl.trainer import log
@@ -41,8 +46,8 @@ from primerl.trainer.metrics import append_metrics, truncate_metrics
 from primerl.trainer.optim import make_optimizer, make_scheduler
 from primerl.trainer.packing import pack
 from primerl.trainer.publish import (
-    check_layout,
     load_resume_state,
+    load_resume_weights,
     prune_weights,
     publish_weights,
     release_shm,
@@ -92,23 +97,43 @@ def main(cfg: RunConfig) -> None:
     run.root.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     t = cfg.trainer
+    device = t.resolved_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PrimerlError("trainer.device is cuda but torch sees no CUDA GPU (a CPU build of torch, or no GPU "
+                           "visible): set --trainer.device cpu or auto")
     loss_fn = get_loss(t.loss)  # fail fast on a bad name
-    parallelism = load_parallelism(t.parallelism)
+    parallelism = load_parallelism(t.resolved_parallelism())
+    owns_group = init_trainer_group(device)
+    try:
+        adapter, model, tokenizer = build_model(cfg)
+        n_params = sum(p.numel() for p in model.parameters())
+        log(f"model {cfg.model.name} ({cfg.model.preset if cfg.model.checkpoint is None else cfg.model.checkpoint}), "
+            f"{n_params / 1e6:.2f}M parameters, float32 master weights on {device}")
+        if t.fp8:
+            from primerl.trainer.fp8 import apply_fp8_training_
 
-    adapter, model, tokenizer = build_model(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model {cfg.model.name} ({cfg.model.preset if cfg.model.checkpoint is None else cfg.model.checkpoint}), "
-        f"{n_params / 1e6:.2f}M parameters, float32")
-    with device_mesh(parallelism.mesh_shape(world_size())) as mesh:
-        model, optimizer, layout = parallelism.parallelize(
-            model, mesh, lambda m: make_optimizer(m, t.lr, t.weight_decay))
-        log(f"parallelism {layout.describe()}")
-        check_layout(layout)
-        train(cfg, run, model, optimizer, loss_fn, parallelism, adapter=adapter, tokenizer=tokenizer)
+            log(f"fp8: block-scaled FP8 matmuls in {len(apply_fp8_training_(model))} modules")
+        resume = run.latest_checkpoint()
+        if resume is not None:  # into the full model, before it is sharded: any layout resumes any other
+            load_resume_weights(resume[1], model, adapter=adapter)
+        if device == "cuda" and t.resolved_parallelism() == "single":
+            model.to(device)
+        settings = t.parallel.resolved(world_size())
+        with device_mesh(parallelism.mesh_shape(world_size(), settings), device) as mesh:
+            model, optimizer, layout = parallelism.parallelize(
+                model, mesh, lambda m: make_optimizer(m, t.lr, t.weight_decay))
+            log(f"parallelism {layout.describe()}")
+            train(cfg, run, model, optimizer, loss_fn, parallelism, adapter=adapter, tokenizer=tokenizer,
+                  resume=resume)
+    finally:
+        if owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-          parallelism: Parallelism, *, adapter: Any, tokenizer: Any) -> None:
+          parallelism: Parallelism, *, adapter: Any, tokenizer: Any, resume: tuple[int, Path] | None) -> None:
     """Resume or start (SFT, v0), then one RL step per batch until ``max_steps``."""
     t = cfg.trainer
     scheduler = make_scheduler(optimizer, cfg)
@@ -117,19 +142,22 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         publish_weights(run, n, model, adapter=adapter, tokenizer=tokenizer, parallelism=parallelism,
                         channel=t.weight_channel)
 
-    run.remove_partial_writes()  # left by a trainer that died mid-write
+    if is_publisher():
+        run.remove_partial_writes()  # left by a trainer that died mid-write
     start = 0
-    resume = run.latest_checkpoint()
     if resume is not None:
-        start = load_resume_state(resume[1], model, optimizer, scheduler, adapter=adapter)
+        start = load_resume_state(resume[1], model, optimizer, scheduler, parallelism=parallelism)
         log(f"resumed from {resume[1]} (step {start})")
-        truncate_metrics(run, start)
-        if not run.published(start):
+        if is_publisher():
+            truncate_metrics(run, start)
+        republish = not run.published(start)
+        barrier()  # every rank has looked before rank 0 may publish: they must agree
+        if republish:
             publish(start)
             log(f"republished weights/{step_name(start)}")
     else:
         if cfg.sft.steps > 0:
-            sft_warmup(cfg, model, tokenizer)
+            sft_warmup(cfg, model, tokenizer, parallelism)
             seed_everything(cfg.seed)  # RL draws the same randomness with or without SFT
         publish(0)
         log(f"published weights/{step_name(0)} (v0{' after SFT' if cfg.sft.steps else ''})")
@@ -147,11 +175,12 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             log("trainer.router_replay is on but the batch's samples carry no routed_experts: not replaying")
             replay_warned = True
         lr = optimizer.param_groups[0]["lr"]
-        stats = rl_step(model, optimizer, packed, loss_fn, cfg)
+        stats = rl_step(model, optimizer, packed, loss_fn, cfg, parallelism)
         scheduler.step()
         publish(n)
         t_end = time.perf_counter()
-        prune_weights(run, n, keep)
+        if is_publisher():
+            prune_weights(run, n, keep)
 
         step_s = t_end - t_start
         record = {
@@ -169,7 +198,8 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             "trainer/loss_tokens": packed.num_loss_tokens,
             "trainer/rows": packed.num_rows,
         }
-        append_metrics(run, record)
+        if is_publisher():
+            append_metrics(run, record)
         last_end = t_end
         log(f"step {n}/{cfg.max_steps} samples {len(batch.samples)} rows {packed.num_rows} "
             f"tokens {packed.num_tokens} loss {stats['loss']:.4f} mismatch_kl {stats['mismatch_kl']:.2e} "
@@ -178,9 +208,10 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             + (f" routing_agreement {stats['routing_agreement']:.3f}" if "routing_agreement" in stats else ""))
 
         if (t.checkpoint_every and n % t.checkpoint_every == 0) or n == cfg.max_steps:
-            save_checkpoint(run, n, model, optimizer, scheduler, adapter=adapter, tokenizer=tokenizer)
+            save_checkpoint(run, n, model, optimizer, scheduler, adapter=adapter, tokenizer=tokenizer,
+                            parallelism=parallelism)
             log(f"saved checkpoints/{step_name(n)}")
 
-    if t.weight_channel == "shm":
+    if t.weight_channel == "shm" and is_publisher():
         release_shm(run)
     log(f"done: {cfg.max_steps} steps")

@@ -33,6 +33,12 @@ from torch import Tensor
 
 from primerl.samples import Sample
 
+# What an empty row (PackedBatch.select's None) holds in each field: one valid token that
+# is not a target of the loss, in its own segment.
+EMPTY_ROW_FILL = {"input_ids": 0, "positions": 0, "segment_ids": 0, "lengths": 1, "targets": 0, "loss_mask": False,
+                  "inference_logprobs": 0.0, "advantages": 0.0, "temperatures": 1.0, "sample_index": -1,
+                  "replay_experts": 0}
+
 
 @dataclass
 class PackedBatch:
@@ -64,16 +70,26 @@ class PackedBatch:
 
     def rows(self, start: int, end: int) -> dict[str, Tensor | None]:
         """Rows ``start:end`` cut to the longest of them: [k, m, ...] (one forward for several rows)."""
-        m = int(self.lengths[start:end].max())
+        return self.select(list(range(start, end)))
+
+    def select(self, picks: Sequence[int | None]) -> dict[str, Tensor | None]:
+        """Rows ``picks`` cut to the longest of them: [k, m, ...]. A ``None`` is an empty row
+        (one padding token, nothing to learn): a rank with fewer rows than the others runs it
+        so that every rank takes part in the forward's collectives."""
+        index = torch.tensor([r if r is not None else 0 for r in picks], dtype=torch.long)  # [k]
+        empty = torch.tensor([r is None for r in picks])  # [k]
+        m = max(1, int(self.lengths[index].max()))
         out: dict[str, Tensor | None] = {}
         for f in fields(self):
             t = getattr(self, f.name)
-            if f.name == "lengths":
-                out[f.name] = t[start:end]  # [k]
-            elif t is None:
+            if t is None:
                 out[f.name] = None
-            else:
-                out[f.name] = t[start:end, :m]
+                continue
+            t = t[index] if f.name == "lengths" else t[index, :m]
+            if bool(empty.any()):
+                t = t.clone()
+                t[empty] = EMPTY_ROW_FILL[f.name]
+            out[f.name] = t
         return out
 
     def row(self, r: int) -> dict[str, Tensor | None]:

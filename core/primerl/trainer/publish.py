@@ -3,17 +3,21 @@
 * :func:`publish_weights`: policy v(n) for inference, ``weights/step_n/`` then ``STABLE``
   (through the filesystem or the shm channel, ``trainer.weight_channel``);
 * :func:`prune_weights`: published versions no in-flight rollout can still need;
-* :func:`save_checkpoint` / :func:`load_resume_state`: the resumable state
-  (``checkpoints/step_n/``: HF weights + the trainer state file).
+* :func:`save_checkpoint` / :func:`load_resume_weights` + :func:`load_resume_state`: the
+  resumable state (``checkpoints/step_n/``: HF weights, the optimizer state as a
+  ``torch.distributed.checkpoint`` in ``optimizer/``, then the trainer state file).
 
 Every path comes from :class:`primerl.rundir.RunDir`, and every directory is written
 under a temporary name and renamed (:func:`primerl.rundir.write_dir_atomically`), so the
 orchestrator never loads half a version and a crash never leaves half a checkpoint.
 
-The parallelism's layout is consulted here: the shm channel writes the tensors the
-strategy's ``full_weights`` yields unit by unit (what a sharded strategy gathers), and
-:func:`check_layout` refuses at start a layout whose weights are sharded, since HF
-checkpoints and resumable checkpoints are written from a full model only.
+With several ranks, weights leave a sharded model without a full copy anywhere: every
+rank walks the strategy's ``full_weights`` (which all-gathers one unit at a time), and
+global rank 0 streams each unit into the checkpoint's shard files as it arrives. The
+optimizer state is saved by every rank, each its own shards, with
+``torch.distributed.checkpoint`` (DCP), which reshards on load: a checkpoint resumes on
+any number of ranks (one process included), because the HF weights are loaded into the
+full model before it is sharded and DCP redistributes the optimizer state.
 """
 
 from __future__ import annotations
@@ -21,40 +25,39 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from primerl.errors import PrimerlError
-from primerl.parallel import Parallelism, ParallelLayout
-from primerl.rundir import SHM_LINK, STABLE, TRAINER_STATE, RunDir, parse_step, write_dir_atomically
+from primerl.parallel import Parallelism, barrier, is_publisher
+from primerl.rundir import SHM_LINK, STABLE, TMP_PREFIX, TRAINER_STATE, RunDir, parse_step, write_dir_atomically
 
-
-def check_layout(layout: ParallelLayout) -> None:
-    """Fail at start, not at the first publish, on a layout these writers cannot handle."""
-    if layout.shards_weights:
-        raise PrimerlError(
-            f"trainer.parallelism '{layout.strategy}' shards weights ({layout.describe()}), but the trainer "
-            f"writes HF weights and checkpoints from a full model only: gathered checkpoint writing is not "
-            f"implemented yet"
-        )
+OPTIMIZER_DIR = "optimizer"  # in checkpoints/step_n: the optimizer state, a torch.distributed.checkpoint
 
 
 def publish_weights(run: RunDir, n: int, model: torch.nn.Module, *, adapter: Any, tokenizer: Any,
                     parallelism: Parallelism, channel: str = "filesystem") -> Path:
-    """``weights/step_n/``, then its empty ``STABLE`` file.
+    """``weights/step_n/``, then its empty ``STABLE`` file (global rank 0 writes; every
+    rank takes part in gathering).
 
     ``filesystem``: an HF checkpoint + tokenizer (any server that sees the run directory
-    loads it). ``shm``: one safetensors file of the model's own tensors in /dev/shm, linked
+    loads it). ``shm``: one safetensors file of the model's tensors in /dev/shm, linked
     from ``step_n/shm.safetensors``; a server on this machine adopts it without a copy.
     """
     final = run.weights_step(n)
+    units = parallelism.full_weights(model)
+    if not is_publisher():
+        for _ in units:  # the gathers need this rank
+            pass
+        return final
     if channel == "shm":
         from primerl.weights import write_safetensors
 
         tensors: dict[str, torch.Tensor] = {}
-        for _unit, part in parallelism.full_weights(model):
+        for _unit, part in units:
             tensors.update(part)
         target = run.shm_weights(n)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -66,9 +69,14 @@ def publish_weights(run: RunDir, n: int, model: torch.nn.Module, *, adapter: Any
 
         write_dir_atomically(final, link)
     else:
-        write_dir_atomically(final, lambda d: adapter.save_checkpoint(model, d, tokenizer))
+        write_dir_atomically(final, lambda d: adapter.save_checkpoint(model, d, tokenizer, state=_pairs(units)))
     (final / STABLE).touch()
     return final
+
+
+def _pairs(units: Iterator[tuple[str, dict[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for _unit, part in units:
+        yield from part.items()
 
 
 def prune_weights(run: RunDir, n: int, keep_steps: int) -> list[int]:
@@ -93,31 +101,64 @@ def release_shm(run: RunDir) -> None:
 
 
 def save_checkpoint(run: RunDir, n: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, *, adapter: Any, tokenizer: Any) -> Path:
-    """``checkpoints/step_n/``: HF weights + the trainer state (optimizer, scheduler, step, RNG)."""
+                    scheduler: Any, *, adapter: Any, tokenizer: Any, parallelism: Parallelism) -> Path:
+    """``checkpoints/step_n/``: HF weights, the optimizer state (DCP, every rank its shards),
+    then the trainer state (scheduler, step, RNG), whose presence marks it complete. Every
+    rank calls it; the directory is written under a name all ranks agree on, then renamed."""
+    import torch.distributed.checkpoint as dcp
 
-    def write(d: Path) -> None:
-        adapter.save_checkpoint(model, d, tokenizer)
+    final = run.checkpoint(n)
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
+    if is_publisher():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    units = parallelism.full_weights(model)
+    if is_publisher():
+        adapter.save_checkpoint(model, tmp, tokenizer, state=_pairs(units))
+    else:
+        for _ in units:
+            pass
+    dcp.save(parallelism.optimizer_state(model, optimizer), checkpoint_id=str(tmp / OPTIMIZER_DIR))
+    barrier()
+    if is_publisher():
         state = {
             "step": n,
-            "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
-        torch.save(state, d / TRAINER_STATE)  # last: its presence marks the checkpoint complete
-
-    final = run.checkpoint(n)
-    write_dir_atomically(final, write)
+        torch.save(state, tmp / TRAINER_STATE)  # last: its presence marks the checkpoint complete
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    barrier()
     return final
 
 
-def load_resume_state(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                      *, adapter: Any) -> int:
-    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns its step."""
+def load_resume_weights(ckpt: Path, model: torch.nn.Module, *, adapter: Any) -> None:
+    """The checkpoint's HF weights into the full model, on every rank, before it is sharded."""
     adapter.load_checkpoint(model, ckpt)
+
+
+def load_resume_state(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                      *, parallelism: Parallelism) -> int:
+    """The optimizer state (resharded by DCP to this layout), scheduler and RNG, after the
+    model is laid out; returns the checkpoint's step. A checkpoint without an optimizer
+    state in this format is refused with what to do."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (ckpt / OPTIMIZER_DIR).is_dir():
+        raise PrimerlError(f"{ckpt} has no {OPTIMIZER_DIR}/ (the optimizer state): it was written by an older "
+                           f"primerl; start a new run with --model.checkpoint {ckpt} to train from its weights")
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    state_dict = parallelism.optimizer_state(model, optimizer)
+    # partial: parameters that never had a gradient (e.g. a frozen indexer) have no saved
+    # state; they keep the empty one the optimizer starts with
+    dcp.load(state_dict, checkpoint_id=str(ckpt / OPTIMIZER_DIR), planner=DefaultLoadPlanner(allow_partial_load=True))
+    parallelism.load_optimizer_state(model, optimizer, state_dict)
     state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])

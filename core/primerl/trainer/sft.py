@@ -21,11 +21,12 @@ import torch
 
 from primerl.config import RunConfig
 from primerl.envs.multiturn import prompt_ids
+from primerl.parallel import Parallelism, world_size
 from primerl.samples import Sample
 from primerl.trainer import log
 from primerl.trainer.optim import make_optimizer
 from primerl.trainer.packing import pack
-from primerl.trainer.step import RouterBalancer, row_forward
+from primerl.trainer.step import RouterBalancer, micro_batches, row_forward
 
 
 def sft_samples(env: Any, tasks: list[Any], tokenizer: Any) -> list[Sample]:
@@ -44,14 +45,14 @@ def sft_samples(env: Any, tasks: list[Any], tokenizer: Any) -> list[Sample]:
     return samples
 
 
-def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> None:
+def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, parallelism: Parallelism) -> None:
     """``sft.steps`` steps of cross-entropy on answer tokens, ``sft.batch_size`` tasks each."""
     from primerl.registry import get_registry
 
     env = get_registry().load("env", cfg.env.name)(cfg.env)
     s = cfg.sft
     optimizer = make_optimizer(model, s.lr, cfg.trainer.weight_decay)
-    balancer = RouterBalancer(model, cfg.trainer.router_bias_update_rate)
+    balancer = RouterBalancer(model, cfg.trainer.router_bias_update_rate, parallelism)
 
     def cycle() -> Iterator[Any]:
         while True:
@@ -63,6 +64,7 @@ def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> None:
                 raise ValueError(f"env {cfg.env.name!r} has no 'train' tasks for the SFT warm-up")
 
     tasks = cycle()
+    alone = world_size() == 1  # with other ranks, every forward runs: they wait for its collectives
     log(f"SFT warm-up: {s.steps} steps of {s.batch_size} tasks, lr {s.lr}")
     t0 = time.perf_counter()
     for step in range(1, s.steps + 1):
@@ -70,17 +72,18 @@ def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any) -> None:
         normalizer = float(max(packed.num_loss_tokens, 1))
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for r in range(0, packed.num_rows, cfg.trainer.micro_batch_rows):
-            row = packed.rows(r, min(r + cfg.trainer.micro_batch_rows, packed.num_rows))
-            mask = row["loss_mask"]  # [k, m]; padding is never a loss token
-            if not bool(mask.any()):
+        for row in micro_batches(packed, parallelism, cfg.trainer.micro_batch_rows):
+            real = row["sample_index"] >= 0  # [k, m]: tokens of samples
+            mask = row["loss_mask"] & real  # [k, m]
+            if alone and not bool(mask.any()):
                 continue
             lp, out = row_forward(model, row, replay=False)  # [k, m]
-            balancer.observe(out.router_experts, row["lengths"][:, None] > torch.arange(mask.shape[1]))
+            balancer.observe(out.router_experts, real)
             loss = -(lp * mask).sum() / normalizer
             loss.backward()
             total += float(loss.detach())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm))
+        grad_norm = parallelism.clip_grad_norm_(model, cfg.trainer.max_grad_norm)
+        total = float(parallelism.sum_over_ranks(torch.tensor([total], dtype=torch.float64))[0])
         optimizer.step()
         balancer.step()
         if step == 1 or step == s.steps or step % 10 == 0:

@@ -15,11 +15,13 @@ importance ratio is 1 when trainer and engine hold the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from primerl.config import RunConfig
+from primerl.parallel import Parallelism, world_size
 from primerl.sampling import token_logprobs
 from primerl.trainer.loss import LossFn
 from primerl.trainer.packing import PackedBatch
@@ -57,8 +59,8 @@ class RouterBalancer:
     alone; pretraining-style runs use about 1e-3.
     """
 
-    def __init__(self, model: torch.nn.Module, rate: float) -> None:
-        self.rate = rate
+    def __init__(self, model: torch.nn.Module, rate: float, parallelism: Parallelism | None = None) -> None:
+        self.rate, self.parallelism = rate, parallelism
         self.routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
         self.loads: torch.Tensor | None = None  # [L, E] tokens per expert this step
 
@@ -74,10 +76,22 @@ class RouterBalancer:
     @torch.no_grad()
     def step(self) -> None:
         if self.loads is not None:
+            if self.parallelism is not None:  # every rank moves its biases by the same, global loads
+                self.loads = self.parallelism.sum_over_ranks(self.loads.double()).float()
             for router, load in zip(self.routers, self.loads, strict=True):
                 bias = router.e_score_correction_bias
                 bias += self.rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
         self.loads = None
+
+
+def micro_batches(packed: PackedBatch, parallelism: Parallelism, rows_per_forward: int
+                  ) -> Iterator[dict[str, torch.Tensor | None]]:
+    """This rank's share of the packed rows, ``rows_per_forward`` rows per forward, cut to
+    its share of their tokens. Every rank yields as many as the others (empty rows pad the
+    last ones): the forward's collectives need every rank."""
+    mine = parallelism.local_rows(packed.num_rows)
+    for i in range(0, len(mine), rows_per_forward):
+        yield parallelism.local_tokens(packed.select(mine[i : i + rows_per_forward]))
 
 
 def rl_step(
@@ -86,55 +100,59 @@ def rl_step(
     packed: PackedBatch,
     loss_fn: LossFn,
     cfg: RunConfig,
+    parallelism: Parallelism,
 ) -> dict[str, float]:
     """One optimizer step over every packed row (gradients accumulated over forwards of
-    ``trainer.micro_batch_rows`` rows each). Returns the step's stats for metrics.jsonl."""
+    ``trainer.micro_batch_rows`` rows each; with several ranks each runs its share and the
+    gradients add up over ranks). Returns the step's stats for metrics.jsonl."""
     t = cfg.trainer
-    n_loss = packed.num_loss_tokens
-    normalizer = float(max(n_loss, 1))
+    normalizer = float(max(packed.num_loss_tokens, 1))  # the whole batch's, on every rank
     replay = t.router_replay and packed.replay_experts is not None
     optimizer.zero_grad(set_to_none=True)
-    total_loss = 0.0
-    sums: dict[str, float] = {}
+    sums: dict[str, float] = {"loss": 0.0}  # token sums of the loss's metrics, and the loss
     agreed, routed_tokens = None, 0  # per-layer token counts of trainer/inference routing agreement
-    balancer = RouterBalancer(model, t.router_bias_update_rate)
-    # several rows per forward: fewer, larger ops (CPU time is mostly per-op overhead)
-    for r in range(0, packed.num_rows, t.micro_batch_rows):
-        row = packed.rows(r, min(r + t.micro_batch_rows, packed.num_rows))
-        k, m = row["input_ids"].shape
-        valid = (torch.arange(m)[None, :] < row["lengths"][:, None]).flatten()  # [k*m]
-        mask = row["loss_mask"].flatten()[valid]  # [n]
-        if not bool(mask.any()):
+    balancer = RouterBalancer(model, t.router_bias_update_rate, parallelism)
+    alone = world_size() == 1  # with other ranks, every forward runs: they wait for its collectives
+    for row in micro_batches(packed, parallelism, t.micro_batch_rows):
+        real = row["sample_index"] >= 0  # [k, m]: tokens of samples (not padding, not an empty row)
+        mask = row["loss_mask"] & real  # [k, m]
+        if alone and not bool(mask.any()):
             continue  # nothing to learn from these rows
-        lp, out = row_forward(model, row, replay)
-        balancer.observe(out.router_experts, valid.view(k, m))
-        lp = lp.flatten()[valid]  # [n]
+        lp, out = row_forward(model, row, replay)  # [k, m]
+        balancer.observe(out.router_experts, real)
         if t.routing_metrics and row["replay_experts"] is not None and out.router_experts.shape[2]:
-            agree = routing_agreement(out.router_experts, row["replay_experts"], valid.view(k, m))
+            agree = routing_agreement(out.router_experts, row["replay_experts"], real)
             agreed = agree if agreed is None else agreed + agree
-            routed_tokens += int(valid.sum())
+            routed_tokens += int(real.sum())
         loss, metrics = loss_fn(
-            lp,
-            row["inference_logprobs"].flatten()[valid],
-            row["advantages"].flatten()[valid],
-            mask,
+            lp[real],
+            row["inference_logprobs"][real],
+            row["advantages"][real],
+            mask[real],
             config=t,
             normalizer=normalizer,
         )
         loss.backward()
-        total_loss += float(loss.detach())
+        sums["loss"] += float(loss.detach())
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value)
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)) if params else 0.0
+    grad_norm = parallelism.clip_grad_norm_(model, t.max_grad_norm)
     optimizer.step()
     balancer.step()
-    out = {k: v / normalizer for k, v in sums.items()}
-    out.setdefault("mismatch_kl", 0.0)
-    out.setdefault("masked_fraction", 0.0)
-    out.update(loss=total_loss, grad_norm=grad_norm)
-    if agreed is not None and routed_tokens:
-        per_layer = (agreed.double() / routed_tokens).tolist()
-        out["routing_agreement"] = sum(per_layer) / len(per_layer)
-        out.update({f"routing_agreement/layer_{i}": v for i, v in enumerate(per_layer)})
-    return out
+    # add up over ranks: the loss's metrics, then the routing counts (one vector, one collective)
+    keys = sorted(sums)
+    layers = 0 if agreed is None else agreed.numel()
+    vector = torch.tensor([sums[k] for k in keys] + [float(routed_tokens)] + ([] if agreed is None else agreed.tolist()),
+                          dtype=torch.float64)
+    vector = parallelism.sum_over_ranks(vector)
+    totals = dict(zip(keys, vector[: len(keys)].tolist(), strict=True))
+    stats = {k: v / normalizer for k, v in totals.items() if k != "loss"}
+    stats.setdefault("mismatch_kl", 0.0)
+    stats.setdefault("masked_fraction", 0.0)
+    stats.update(loss=totals["loss"], grad_norm=grad_norm)
+    routed = float(vector[len(keys)])
+    if layers and routed:
+        per_layer = (vector[len(keys) + 1 :] / routed).tolist()
+        stats["routing_agreement"] = sum(per_layer) / len(per_layer)
+        stats.update({f"routing_agreement/layer_{i}": v for i, v in enumerate(per_layer)})
+    return stats

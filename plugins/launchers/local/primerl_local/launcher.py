@@ -50,6 +50,24 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
+def child_command(name: str, cfg: RunConfig, run_dir: RunDir) -> list[str]:
+    """``primerl <name> @ config.toml``; a trainer of ``trainer.nproc`` > 1 ranks under
+    torchrun (standalone: one node, its own rendezvous on a free port)."""
+    cmd = ["-m", "primerl.cli", name, "@", str(run_dir.config)]
+    if name == "trainer" and cfg.trainer.nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={cfg.trainer.nproc}", *cmd]
+    return [sys.executable, *cmd]
+
+
+def child_env(name: str, cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
+    """The trainer's ranks share its share of the cores."""
+    if name != "trainer" or cfg.trainer.nproc == 1:
+        return env
+    threads = str(max(1, int(env["OMP_NUM_THREADS"]) // cfg.trainer.nproc))
+    return {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+
+
 class Interrupted(Exception):
     pass
 
@@ -90,8 +108,8 @@ class LocalLauncher:
             for name in CHILDREN:
                 log = open(run_dir.log(name), "w")  # noqa: SIM115 - the child keeps it as its stdout
                 procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "primerl.cli", name, "@", str(run_dir.config)],
-                    stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=own_group_and_die_with_parent, cwd=os.getcwd(),
+                    child_command(name, cfg, run_dir), stdout=log, stderr=subprocess.STDOUT,
+                    env=child_env(name, cfg, env), preexec_fn=own_group_and_die_with_parent, cwd=os.getcwd(),
                 )
             with view:
                 while True:

@@ -13,10 +13,13 @@ Why it is a plugin like the others: the trainer reaches every strategy through t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from primerl.config import ParallelConfig
 from primerl.errors import PrimerlError
 from primerl.parallel import ROOT_UNIT, Parallelized, ParallelLayout, unit_of
 
@@ -35,10 +38,11 @@ class Single:
     def __init__(self) -> None:
         self.units: tuple[str, ...] = (ROOT_UNIT,)  # set by parallelize
 
-    def mesh_shape(self, world_size: int) -> dict[str, int]:
-        if world_size != 1:
+    def mesh_shape(self, world_size: int, settings: ParallelConfig) -> dict[str, int]:
+        if world_size != 1 or not settings.is_trivial():
             raise PrimerlError(f"trainer.parallelism 'single' runs one process, but the trainer has {world_size} "
-                               f"ranks: choose a strategy that shards, or start one process")
+                               f"ranks and [trainer.parallel] {attrs.asdict(settings)}: use trainer.parallelism "
+                               f"fsdp (or auto), or trainer.nproc 1 with the [trainer.parallel] defaults")
         return {"dp_replicate": 1}
 
     def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh,
@@ -48,9 +52,33 @@ class Single:
         layout = ParallelLayout(strategy=self.name, mesh=mesh_dims, units=self.units)  # no shards
         return Parallelized(model, build_optimizer(model), layout)
 
+    def local_rows(self, num_rows: int) -> list[int | None]:
+        return list(range(num_rows))
+
+    def local_tokens(self, rows: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        return rows
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> float:
+        params = [p for p in model.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
     def full_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """The model's own tensors (views, no copies), grouped by unit in the layout's order."""
         parts: dict[str, dict[str, torch.Tensor]] = {unit: {} for unit in self.units}
         for name, tensor in model.state_dict().items():
             parts[unit_of(name, self.units)][name] = tensor
         yield from parts.items()
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return {"optimizer": get_optimizer_state_dict(model, optimizer)}
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])

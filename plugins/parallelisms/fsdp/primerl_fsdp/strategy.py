@@ -1,0 +1,277 @@
+"""``fsdp``: FSDP2 over ``dp_shard``, expert parallel over ``ep``, context parallel over ``cp``.
+
+The trainer's ranks form the mesh torchtitan uses, ``dp_replicate x dp_shard x cp``
+(``[trainer.parallel]``), in that order, so consecutive ranks share a context-parallel
+group and then an FSDP group:
+
+* **rows** (data parallel) are split over ``dp_replicate x dp_shard``: every rank packs the
+  same batch and trains rows ``dp_rank, dp_rank + dp, ...``;
+* **sequence** (context parallel): the ``cp`` ranks of a group train the same rows, each a
+  share of their tokens (:mod:`.context_parallel`);
+* **parameters** (FSDP2 ``fully_shard``): sharded over ``dp_shard x cp`` flattened (HSDP:
+  replicated over ``dp_replicate``), one unit per decoder layer, the embeddings and the
+  head (the model's ``parallel_plan()["fsdp_units"]``), then the root;
+* **experts** (expert parallel, :mod:`.expert_parallel`): carved out of ``dp_shard x cp``
+  as torchtitan does; ``ep`` consecutive ranks split each MoE layer's routed experts. The
+  ranks holding the same experts (``world / ep`` of them) are an expert-data-parallel
+  group: expert gradients are all-reduced over it before clipping. FSDP ignores expert
+  parameters (they are already split).
+
+Gradients are *summed* over ranks: the loss is normalised by the whole batch's loss
+tokens, so each rank's gradient is its share of one process's. FSDP2 divides by the
+number of ranks by default (and on gloo, where ``ReduceOp.AVG`` is missing, sums without
+dividing: pytorch issue 162338); every FSDP module here is set to a divide factor of 1
+with sum-only collectives, which is right on every backend.
+
+What comes from where: plain ``torch.distributed`` (``fully_shard``, ``DeviceMesh`` views,
+DTensor, DCP), not torchtitan's ``ParallelDims``/``apply_fsdp``: torchtitan 0.3.0 pins
+``datasets<4.8`` (the verifiers env needs 5), expects its own decoder layout, and builds
+its mesh for CUDA; the mesh layout and the ep-inside-fsdp carving follow it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from primerl.config import ParallelConfig
+from primerl.errors import PrimerlError
+from primerl.parallel import ROOT_UNIT, Parallelized, ParallelLayout, Shard, unit_of
+
+
+class FSDP:
+    """FSDP2 with expert and context parallel (see the module docstring)."""
+
+    name = "fsdp"
+
+    def __init__(self) -> None:
+        self.settings: ParallelConfig | None = None
+        self.units: tuple[str, ...] = (ROOT_UNIT,)
+        self.expert_modules: list[str] = []
+        self.ep_group: Any = None
+        self.expert_dp_group: Any = None  # ranks holding the same experts
+        self.cp_group: Any = None
+        self.cp_rank = 0
+        self.dp_rank, self.dp_size = 0, 1
+        self.expert_mesh: DeviceMesh | None = None  # [edp, ep], made once for checkpoints
+
+    # -- layout ------------------------------------------------------------------------
+
+    def mesh_shape(self, world_size: int, settings: ParallelConfig) -> dict[str, int]:
+        self.settings = s = settings.resolved(world_size)  # a ConfigError names the keys
+        return {"dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "cp": s.cp}
+
+    def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh,
+                    build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Parallelized:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        s = self.settings
+        if s is None:
+            raise PrimerlError("FSDP.parallelize called before mesh_shape")
+        replicate_rank = mesh["dp_replicate"].get_local_rank()
+        shard_rank = mesh["dp_shard"].get_local_rank()
+        self.cp_rank = mesh["cp"].get_local_rank()
+        self.dp_rank, self.dp_size = replicate_rank * s.dp_shard + shard_rank, s.dp_replicate * s.dp_shard
+        self.cp_group = mesh["cp"].get_group()
+        fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if s.dp_replicate > 1:
+            fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+        shards = [Shard("rows", "dp_replicate"), Shard("rows", "dp_shard"), Shard("parameters", "dp_shard")]
+
+        plan = model.parallel_plan()
+        ignored: set[torch.nn.Parameter] = set()
+        if s.ep > 1:
+            from primerl_fsdp.expert_parallel import expert_parameters, shard_experts_
+
+            self.ep_group, self.expert_dp_group = self._expert_groups(s)
+            self.expert_modules = shard_experts_(model, self.ep_group)
+            ignored = {p for _, p in expert_parameters(model)}
+            shards.append(Shard("experts", "ep", tuple(self.expert_modules)))
+        if s.cp > 1:
+            from primerl_fsdp.context_parallel import apply_context_parallel_
+
+            apply_context_parallel_(model, self.cp_group)
+            shards.append(Shard("sequence", "cp"))
+
+        device = model.device
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
+            else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy()
+        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        head_units = ("lm_head", plan["fsdp_units"][-2]) if tied else ()  # a tied pair stays with the root
+        self.units = (*plan["fsdp_units"], ROOT_UNIT)
+        for unit in plan["fsdp_units"]:
+            if unit in head_units:
+                continue
+            module = model.get_submodule(unit)
+            fully_shard(module, mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload,
+                        ignored_params={p for p in module.parameters() if p in ignored} or None)
+        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored or None)
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        layout = ParallelLayout(strategy=self.name, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
+                                shards=tuple(shards), units=self.units)
+        return Parallelized(model, build_optimizer(model), layout)
+
+    @staticmethod
+    def _expert_groups(s: ParallelConfig) -> tuple[Any, Any]:
+        """(this rank's ep group: ``ep`` consecutive ranks; its expert-data-parallel group:
+        the ranks with the same position in their ep group). Every rank creates every group,
+        in the same order, as ``new_group`` requires."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        ep_group = expert_dp_group = None
+        for start in range(0, world, s.ep):
+            group = dist.new_group(list(range(start, start + s.ep)))
+            if start <= rank < start + s.ep:
+                ep_group = group
+        for offset in range(s.ep):
+            ranks = list(range(offset, world, s.ep))
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank % s.ep == offset:
+                expert_dp_group = group
+        return ep_group, expert_dp_group
+
+    # -- every step --------------------------------------------------------------------
+
+    def local_rows(self, num_rows: int) -> list[int | None]:
+        mine: list[int | None] = list(range(self.dp_rank, num_rows, self.dp_size))
+        return mine + [None] * (math.ceil(num_rows / self.dp_size) - len(mine))
+
+    def local_tokens(self, rows: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        if self.settings is None or self.settings.cp == 1:
+            return rows
+        from primerl_fsdp.context_parallel import split_row_for_cp
+
+        return split_row_for_cp(rows, self.cp_rank, self.settings.cp)
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Expert gradients first summed over the ranks holding the same experts; then the
+        norm over every shard: FSDP's DTensor gradients (their norm is reduced over the
+        mesh by DTensor) and the expert shards (reduced over the ep group)."""
+        from torch.distributed.tensor import DTensor
+
+        experts: list[torch.Tensor] = []
+        dense: list[torch.Tensor] = []
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            (dense if isinstance(p.grad, DTensor) else experts).append(p.grad)
+        if experts and self.expert_dp_group is not None:
+            flat = torch.cat([g.flatten() for g in experts])
+            dist.all_reduce(flat, group=self.expert_dp_group)
+            offset = 0
+            for g in experts:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        sq = torch.zeros((), dtype=torch.float64)
+        if dense:
+            norm = torch.nn.utils.get_total_norm(dense)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            sq += norm.double().cpu() ** 2
+        if self.ep_group is not None:
+            local = sum((g.double().pow(2).sum() for g in experts), torch.zeros((), dtype=torch.float64))
+            dist.all_reduce(local, group=self.ep_group)
+            sq += local.cpu()
+        total = float(sq.sqrt())
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for g in dense + experts:
+                g.mul_(coef)
+        return total
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank trains a disjoint part of the batch (rows, or tokens of rows): a sum
+        over the whole world."""
+        out = values.clone()
+        dist.all_reduce(out)
+        return out
+
+    # -- weights out -------------------------------------------------------------------
+
+    def full_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """Unit by unit, in the layout's order: every DTensor all-gathered (all ranks), every
+        expert-parallel module's experts gathered on rank 0 of its ep group (global rank 0
+        is rank 0 of the first group); only global rank 0 keeps what it gets."""
+        from torch.distributed.tensor import DTensor
+
+        publisher = dist.get_rank() == 0
+        state = model.state_dict()
+        expert_owner = {f"{m}.{n}": m for m in self.expert_modules
+                        for n in getattr(model.get_submodule(m), "ep_sharded", ())}
+        by_unit: dict[str, list[str]] = {unit: [] for unit in self.units}
+        for name in state:
+            by_unit[unit_of(name, self.units)].append(name)
+        for unit in self.units:
+            part: dict[str, torch.Tensor] = {}
+            gathered: set[str] = set()
+            for name in by_unit[unit]:
+                if name in expert_owner:
+                    module_name = expert_owner[name]
+                    if module_name not in gathered:
+                        gathered.add(module_name)
+                        from primerl_fsdp.expert_parallel import gather_experts
+
+                        full = gather_experts(model.get_submodule(module_name), self.ep_group, dst=0)
+                        if publisher:
+                            part.update({f"{module_name}.{n}": t for n, t in full.items()})
+                    continue
+                t = state[name]
+                t = t.full_tensor() if isinstance(t, DTensor) else t
+                if publisher:
+                    part[name] = t.detach().cpu()
+            yield unit, part
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The DCP state of the optimizer: FSDP's entries are DTensors already; an expert
+        parameter's (a plain ``[E/ep, ...]`` slice) are wrapped as DTensors sharded on dim 0
+        over the ep ranks, so DCP can reshard them to another ep size."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(model, optimizer)
+        if self.ep_group is not None:
+            self._wrap_expert_state(model, state)
+        return {"optimizer": state}
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.tensor import DTensor
+
+        opt = state["optimizer"]
+        for entry in opt.get("state", {}).values():
+            for key, value in list(entry.items()):
+                if isinstance(value, DTensor) and getattr(value, "_primerl_expert", False):
+                    entry[key] = value.to_local()
+        set_optimizer_state_dict(model, optimizer, opt)
+
+    def _wrap_expert_state(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import Shard as DShard
+
+        from primerl_fsdp.expert_parallel import expert_parameters
+
+        s = self.settings
+        world = dist.get_world_size()
+        if self.expert_mesh is None:  # [expert-data-parallel, ep]: rank r sits at (r // ep, r % ep)
+            self.expert_mesh = DeviceMesh(model.device.type, torch.arange(world).view(world // s.ep, s.ep),
+                                          mesh_dim_names=("edp", "ep"))
+        mesh = self.expert_mesh
+        for name, _param in expert_parameters(model):
+            entry = state.get("state", {}).get(name)
+            if not entry:
+                continue
+            for key, value in list(entry.items()):
+                if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                    wrapped = DTensor.from_local(value, mesh, [Replicate(), DShard(0)], run_check=False)
+                    wrapped._primerl_expert = True
+                    entry[key] = wrapped
