@@ -99,9 +99,12 @@ class ParallelLayout:
     def describe(self) -> str:
         """One line for the log: ``single on mesh (dp_replicate=1): nothing sharded, 4 units``."""
         mesh = ", ".join(f"{d}={n}" for d, n in self.mesh.items())
-        split = "; ".join(
-            f"{s.what} of {', '.join(s.modules) if s.modules else 'the model'} over {s.mesh_dim}" for s in self.shards
-        )
+        def what(s: Shard) -> str:
+            if s.what in ("rows", "sequence"):
+                return s.what
+            return f"{s.what} of {', '.join(s.modules) if s.modules else 'the model'}"
+
+        split = "; ".join(f"{what(s)} over {s.mesh_dim}" for s in self.shards)
         return f"{self.strategy} on mesh ({mesh}): {split or 'nothing sharded'}, {len(self.units)} publishing units"
 
 

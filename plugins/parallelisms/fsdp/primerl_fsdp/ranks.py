@@ -27,7 +27,7 @@ def _rank_main(rank: int, world: int, store_path: str, fn: Callable[..., Any], a
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         results[rank] = ("ok", fn(*args))
-    except BaseException:  # noqa: BLE001 - carried back to the caller with its traceback
+    except BaseException:  # carried back to the caller with its traceback
         results[rank] = ("error", traceback.format_exc())
         raise
     finally:

@@ -12,10 +12,11 @@ group and then an FSDP group:
   replicated over ``dp_replicate``), one unit per decoder layer, the embeddings and the
   head (the model's ``parallel_plan()["fsdp_units"]``), then the root;
 * **experts** (expert parallel, :mod:`.expert_parallel`): carved out of ``dp_shard x cp``
-  as torchtitan does; ``ep`` consecutive ranks split each MoE layer's routed experts. The
-  ranks holding the same experts (``world / ep`` of them) are an expert-data-parallel
-  group: expert gradients are all-reduced over it before clipping. FSDP ignores expert
-  parameters (they are already split).
+  as torchtitan does: the world is also viewed as ``dp_replicate x efsdp x ep`` with
+  ``efsdp = dp_shard x cp / ep``; ``ep`` consecutive ranks split each MoE layer's routed
+  experts, and each experts module is its own FSDP unit over ``efsdp`` (HSDP over
+  ``dp_replicate x efsdp``), so a rank holds ``E / ep`` experts' weights divided by
+  ``efsdp``: what ``primerl plan`` counts.
 
 Gradients are *summed* over ranks: the loss is normalised by the whole batch's loss
 tokens, so each rank's gradient is its share of one process's. FSDP2 divides by the
@@ -54,11 +55,12 @@ class FSDP:
         self.units: tuple[str, ...] = (ROOT_UNIT,)
         self.expert_modules: list[str] = []
         self.ep_group: Any = None
-        self.expert_dp_group: Any = None  # ranks holding the same experts
+        self.sparse_mesh: DeviceMesh | None = None  # dp_replicate x efsdp x ep, with expert parallel
         self.cp_group: Any = None
         self.cp_rank = 0
         self.dp_rank, self.dp_size = 0, 1
         self.expert_mesh: DeviceMesh | None = None  # [edp, ep], made once for checkpoints
+        self.expert_fsdp_placement: dict[str, tuple[Any, Any]] = {}  # expert parameter -> its FSDP mesh, placements
 
     # -- layout ------------------------------------------------------------------------
 
@@ -81,37 +83,43 @@ class FSDP:
         fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         if s.dp_replicate > 1:
             fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"]
-        shards = [Shard("rows", "dp_replicate"), Shard("rows", "dp_shard"), Shard("parameters", "dp_shard")]
+        shards = [Shard("rows", "dp_replicate")] if s.dp_replicate > 1 else []
+        shards += [Shard("rows", "dp_shard"), Shard("parameters", "dp_shard x cp")]
 
         plan = model.parallel_plan()
-        ignored: set[torch.nn.Parameter] = set()
+        device = model.device
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
+            else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy()
         if s.ep > 1:
-            from primerl_fsdp.expert_parallel import expert_parameters, shard_experts_
+            from primerl_fsdp.expert_parallel import shard_experts_
 
-            self.ep_group, self.expert_dp_group = self._expert_groups(s)
+            world = dist.get_world_size()
+            efsdp = s.dp_shard * s.cp // s.ep
+            # rank r = (replicate * efsdp + e) * ep + k: ep consecutive ranks split the experts
+            self.sparse_mesh = DeviceMesh(device.type, torch.arange(world).view(s.dp_replicate, efsdp, s.ep),
+                                          mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+            self.ep_group = self.sparse_mesh["ep"].get_group()
             self.expert_modules = shard_experts_(model, self.ep_group)
-            ignored = {p for _, p in expert_parameters(model)}
+            expert_fsdp_mesh = self.sparse_mesh["dp_replicate", "efsdp"] if s.dp_replicate > 1 \
+                else self.sparse_mesh["efsdp"]
+            for name in self.expert_modules:  # its own unit: the layer's unit below leaves it alone
+                fully_shard(model.get_submodule(name), mesh=expert_fsdp_mesh, mp_policy=mp, offload_policy=offload)
             shards.append(Shard("experts", "ep", tuple(self.expert_modules)))
+            shards.append(Shard("parameters", "efsdp", tuple(self.expert_modules)))
         if s.cp > 1:
             from primerl_fsdp.context_parallel import apply_context_parallel_
 
             apply_context_parallel_(model, self.cp_group)
             shards.append(Shard("sequence", "cp"))
 
-        device = model.device
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
-            else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy()
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         head_units = ("lm_head", plan["fsdp_units"][-2]) if tied else ()  # a tied pair stays with the root
         self.units = (*plan["fsdp_units"], ROOT_UNIT)
         for unit in plan["fsdp_units"]:
-            if unit in head_units:
-                continue
-            module = model.get_submodule(unit)
-            fully_shard(module, mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload,
-                        ignored_params={p for p in module.parameters() if p in ignored} or None)
-        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored or None)
+            if unit not in head_units:
+                fully_shard(model.get_submodule(unit), mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload)
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_gradient_divide_factor(1.0)
@@ -119,24 +127,6 @@ class FSDP:
         layout = ParallelLayout(strategy=self.name, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
                                 shards=tuple(shards), units=self.units)
         return Parallelized(model, build_optimizer(model), layout)
-
-    @staticmethod
-    def _expert_groups(s: ParallelConfig) -> tuple[Any, Any]:
-        """(this rank's ep group: ``ep`` consecutive ranks; its expert-data-parallel group:
-        the ranks with the same position in their ep group). Every rank creates every group,
-        in the same order, as ``new_group`` requires."""
-        world, rank = dist.get_world_size(), dist.get_rank()
-        ep_group = expert_dp_group = None
-        for start in range(0, world, s.ep):
-            group = dist.new_group(list(range(start, start + s.ep)))
-            if start <= rank < start + s.ep:
-                ep_group = group
-        for offset in range(s.ep):
-            ranks = list(range(offset, world, s.ep))
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank % s.ep == offset:
-                expert_dp_group = group
-        return ep_group, expert_dp_group
 
     # -- every step --------------------------------------------------------------------
 
@@ -152,33 +142,29 @@ class FSDP:
         return split_row_for_cp(rows, self.cp_rank, self.settings.cp)
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> float:
-        """Expert gradients first summed over the ranks holding the same experts; then the
-        norm over every shard: FSDP's DTensor gradients (their norm is reduced over the
-        mesh by DTensor) and the expert shards (reduced over the ep group)."""
+        """The norm over every shard: the dense gradients' (DTensors on the FSDP mesh, whose
+        norm DTensor reduces over it) and the experts' (DTensors on the efsdp mesh, reduced
+        over it, then summed over the ep ranks, which hold different experts)."""
         from torch.distributed.tensor import DTensor
 
-        experts: list[torch.Tensor] = []
-        dense: list[torch.Tensor] = []
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            (dense if isinstance(p.grad, DTensor) else experts).append(p.grad)
-        if experts and self.expert_dp_group is not None:
-            flat = torch.cat([g.flatten() for g in experts])
-            dist.all_reduce(flat, group=self.expert_dp_group)
-            offset = 0
-            for g in experts:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-        sq = torch.zeros((), dtype=torch.float64)
-        if dense:
-            norm = torch.nn.utils.get_total_norm(dense)
+        from primerl_fsdp.expert_parallel import expert_parameters
+
+        expert_ids = {id(p) for _, p in expert_parameters(model)}
+        dense = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in expert_ids]
+        experts = [p.grad for p in model.parameters() if p.grad is not None and id(p) in expert_ids]
+
+        def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+            if not grads:
+                return torch.zeros((), dtype=torch.float64)
+            norm = torch.nn.utils.get_total_norm(grads)
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            sq += norm.double().cpu() ** 2
+            return norm.double().cpu() ** 2
+
+        sq = sq_norm(dense)
         if self.ep_group is not None:
-            local = sum((g.double().pow(2).sum() for g in experts), torch.zeros((), dtype=torch.float64))
-            dist.all_reduce(local, group=self.ep_group)
-            sq += local.cpu()
+            expert_sq = sq_norm(experts).to(dense[0].device if dense else "cpu")
+            dist.all_reduce(expert_sq, group=self.ep_group)
+            sq = sq + expert_sq.cpu()
         total = float(sq.sqrt())
         coef = min(1.0, max_norm / (total + 1e-6))
         if coef < 1.0:
@@ -244,17 +230,22 @@ class FSDP:
     def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
         opt = state["optimizer"]
-        for entry in opt.get("state", {}).values():
+        for name, entry in opt.get("state", {}).items():
             for key, value in list(entry.items()):
                 if isinstance(value, DTensor) and getattr(value, "_primerl_expert", False):
-                    entry[key] = value.to_local()
+                    full = value.to_local()  # this rank's E/ep experts, whole
+                    mesh, placements = self.expert_fsdp_placement[name]
+                    entry[key] = distribute_tensor(full, mesh, placements)  # back to its FSDP shard
         set_optimizer_state_dict(model, optimizer, opt)
 
     def _wrap_expert_state(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
+        """An expert parameter's state is a DTensor over the efsdp mesh of global shape
+        [E/ep, ...]: the same name on every ep rank, for different experts. For DCP it is
+        made whole over efsdp and re-wrapped as a DTensor of the whole [E, ...] over
+        ``(edp, ep)``, sharded over ep, replicated over the rest."""
         from torch.distributed.tensor import DTensor, Replicate
         from torch.distributed.tensor import Shard as DShard
 
@@ -265,13 +256,16 @@ class FSDP:
         if self.expert_mesh is None:  # [expert-data-parallel, ep]: rank r sits at (r // ep, r % ep)
             self.expert_mesh = DeviceMesh(model.device.type, torch.arange(world).view(world // s.ep, s.ep),
                                           mesh_dim_names=("edp", "ep"))
-        mesh = self.expert_mesh
+        per_param = state.get("state", {})
         for name, _param in expert_parameters(model):
-            entry = state.get("state", {}).get(name)
+            entry = per_param.get(name)
             if not entry:
                 continue
+            entry = per_param[name] = dict(entry)  # a copy: the optimizer's own dict stays as it is
             for key, value in list(entry.items()):
-                if isinstance(value, torch.Tensor) and value.dim() >= 1:
-                    wrapped = DTensor.from_local(value, mesh, [Replicate(), DShard(0)], run_check=False)
+                if isinstance(value, DTensor) and value.dim() >= 1:
+                    self.expert_fsdp_placement[name] = (value.device_mesh, value.placements)
+                    whole = value.full_tensor()  # [E/ep, ...]
+                    wrapped = DTensor.from_local(whole, self.expert_mesh, [Replicate(), DShard(0)], run_check=False)
                     wrapped._primerl_expert = True
                     entry[key] = wrapped
