@@ -130,6 +130,67 @@ def models_show(
 
 
 # --------------------------------------------------------------------------------------
+# plan
+# --------------------------------------------------------------------------------------
+
+
+@app.command("plan")
+def plan_command(
+    model: str = typer.Option(..., "--model", help="Model plugin, e.g. glm5"),
+    preset: str = typer.Option("full", "--preset", help="Preset name (full, tiny, ...)."),
+    nodes: int = typer.Option(1, "--nodes", help="Nodes of the trainer."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
+    seq_len: int = typer.Option(..., "--seq-len", help="Tokens per packed row (trainer.seq_len)."),
+    dp_replicate: int | None = typer.Option(None, "--dp-replicate", help="HSDP replicas (default 1)."),
+    dp_shard: int | None = typer.Option(None, "--dp-shard", help="FSDP2 shards (default: the GPUs left)."),
+    ep: int | None = typer.Option(None, "--ep", help="Expert parallel, carved out of dp_shard x cp (default 1)."),
+    cp: int | None = typer.Option(None, "--cp", help="Context parallel: each row split over cp GPUs (default 1)."),
+    micro_batch_rows: int = typer.Option(1, "--micro-batch-rows", help="Packed rows per forward."),
+    fp8: bool = typer.Option(False, "--fp8", help="Block-FP8 matmuls (trainer.fp8)."),
+    gpu_memory_gb: float = typer.Option(141.0, "--gpu-memory-gb", help="Memory of one GPU (H200: 141 GB)."),
+    margin: float = typer.Option(0.10, "--margin", help="Fraction of GPU memory left for allocator/NCCL."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON line."),
+) -> None:
+    """Per-GPU memory of training a preset on a cluster (parameters, gradients, AdamW state,
+    activations, all-gather buffers), whether it fits, and the layout to use. Without
+    --dp-replicate/--dp-shard/--ep/--cp it plans the suggested layout."""
+    from primerl.plan import plan
+
+    report = plan(model, preset, nodes=nodes, gpus_per_node=gpus_per_node, seq_len=seq_len,
+                  dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, micro_batch_rows=micro_batch_rows,
+                  fp8=fp8, gpu_memory_gb=gpu_memory_gb, margin=margin)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    p, lay = report["params"], report["layout"]
+    b = 1e9
+    console.print(f"[bold]{model}[/] ({preset}, {report['model_type']}) on {nodes} x {gpus_per_node} GPUs, "
+                  f"{seq_len} tokens per row, {micro_batch_rows} row(s) per micro-batch"
+                  f"{', fp8' if fp8 else ''}", highlight=False)
+    mtp = (f"; {p['mtp_layers_skipped']} MTP layer(s), {p['mtp_params_skipped'] / b:.1f}B, not trained"
+           if p["mtp_layers_skipped"] else "")
+    console.print(f"parameters: {p['total'] / b:.1f}B ({p['routed_experts'] / b:.1f}B in routed experts, "
+                  f"{p['active_per_token'] / b:.1f}B active per token){mtp}", highlight=False)
+    console.print(f"layout ({report['layout_source']}): " + " ".join(f"{k}={v}" for k, v in lay.items()),
+                  highlight=False)
+    table = Table(title="per GPU")
+    table.add_column("", no_wrap=True)
+    table.add_column("GB", justify="right")
+    table.add_column("bytes", justify="right")
+    for key, gb in report["per_gpu_gb"].items():
+        table.add_row(key.replace("_", " "), f"{gb:.2f}", f"{report['per_gpu_bytes'][key]:,}")
+    console.print(table)
+    verdict = "[green]fits[/]" if report["fits"] else "[red]does not fit[/]"
+    console.print(f"{verdict}: {report['per_gpu_gb']['total']:.1f} GB of {report['usable_gb']:.1f} usable "
+                  f"({gpu_memory_gb:g} GB less a {margin:.0%} margin for the allocator and NCCL buffers)")
+    console.print(f"largest layer (layer {report['largest_layer']}): {report['layer_allgather_gb_fp32']:.2f} GB "
+                  f"in fp32 unsharded; FSDP2 gathers {report['layer_allgather_gb_bf16']:.2f} GB of it in bf16 "
+                  f"with ep={lay['ep']}", highlight=False)
+    console.print(f"suggested: {report['suggested']['why']}", highlight=False)
+    console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in report["assumptions"]), highlight=False)
+
+
+# --------------------------------------------------------------------------------------
 # env
 # --------------------------------------------------------------------------------------
 
