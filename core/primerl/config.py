@@ -71,6 +71,16 @@ class InferenceConfig:
     dtype: str | None = None  # None: the model section's dtype
     # KV store plugin (register_kv_stores) that keeps finished sequences' KV for prefix reuse
     kv_store: str = "memory"
+    # where the engine runs: "auto" is CUDA when torch sees a GPU, else the CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def resolved_device(self) -> str:
+        """``device``, with ``auto`` resolved (a backend's Config may resolve it its own way)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def check(self, run: RunConfig, sources: Mapping[str, str]) -> None:
         """Rules that need the whole run (the backend's device, the model, the trainer's

@@ -72,7 +72,8 @@ def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, paralleli
         normalizer = float(max(packed.num_loss_tokens, 1))
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for row in micro_batches(packed, parallelism, cfg.trainer.micro_batch_rows):
+        for row in micro_batches(packed, parallelism, cfg.trainer.micro_batch_rows,
+                                 torch.device(cfg.trainer.resolved_device())):
             real = row["sample_index"] >= 0  # [k, m]: tokens of samples
             mask = row["loss_mask"] & real  # [k, m]
             if alone and not bool(mask.any()):

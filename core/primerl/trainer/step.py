@@ -84,14 +84,15 @@ class RouterBalancer:
         self.loads = None
 
 
-def micro_batches(packed: PackedBatch, parallelism: Parallelism, rows_per_forward: int
-                  ) -> Iterator[dict[str, torch.Tensor | None]]:
+def micro_batches(packed: PackedBatch, parallelism: Parallelism, rows_per_forward: int,
+                  device: torch.device | None = None) -> Iterator[dict[str, torch.Tensor | None]]:
     """This rank's share of the packed rows, ``rows_per_forward`` rows per forward, cut to
-    its share of their tokens. Every rank yields as many as the others (empty rows pad the
-    last ones): the forward's collectives need every rank."""
+    its share of their tokens, on ``device``. Every rank yields as many as the others
+    (empty rows pad the last ones): the forward's collectives need every rank."""
     mine = parallelism.local_rows(packed.num_rows)
     for i in range(0, len(mine), rows_per_forward):
-        yield parallelism.local_tokens(packed.select(mine[i : i + rows_per_forward]))
+        rows = parallelism.local_tokens(packed.select(mine[i : i + rows_per_forward]))
+        yield rows if device is None or device.type == "cpu" else {k: v if v is None else v.to(device) for k, v in rows.items()}
 
 
 def rl_step(
@@ -113,7 +114,7 @@ def rl_step(
     agreed, routed_tokens = None, 0  # per-layer token counts of trainer/inference routing agreement
     balancer = RouterBalancer(model, t.router_bias_update_rate, parallelism)
     alone = world_size() == 1  # with other ranks, every forward runs: they wait for its collectives
-    for row in micro_batches(packed, parallelism, t.micro_batch_rows):
+    for row in micro_batches(packed, parallelism, t.micro_batch_rows, torch.device(t.resolved_device())):
         real = row["sample_index"] >= 0  # [k, m]: tokens of samples (not padding, not an empty row)
         mask = row["loss_mask"] & real  # [k, m]
         if alone and not bool(mask.any()):

@@ -29,7 +29,7 @@ class EmbeddedBackend:
         model_cfg = cfg.model
         if cfg.inference.dtype:
             model_cfg = attrs.evolve(model_cfg, dtype=cfg.inference.dtype)
-        model = adapter.build(model_cfg)
+        model = adapter.build(model_cfg, device=cfg.inference.resolved_device())
         tokenizer = adapter.tokenizer(model_cfg)
         layout = adapter.moe_layout(model_cfg)
         eos = tokenizer.eos_token_id

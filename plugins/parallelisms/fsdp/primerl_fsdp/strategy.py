@@ -113,6 +113,10 @@ class FSDP:
             apply_context_parallel_(model, self.cp_group)
             shards.append(Shard("sequence", "cp"))
 
+        if device.type == "cuda":  # routers decide in float32 (near-tied experts flip in bf16): own units
+            fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+            for name in plan["routers"]:
+                fully_shard(model.get_submodule(name), mesh=fsdp_mesh, mp_policy=fp32, offload_policy=offload)
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         head_units = ("lm_head", plan["fsdp_units"][-2]) if tied else ()  # a tied pair stays with the root
         self.units = (*plan["fsdp_units"], ROOT_UNIT)
