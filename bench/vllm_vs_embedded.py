@@ -117,8 +117,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     args = ap.parse_args()
     if importlib.util.find_spec("vllm") is None:
-        sys.exit('error: vLLM is not installed: pip install -e "plugins/inference/vllm[cpu]" && '
-                 "pip uninstall -y torchvision torchcodec torchaudio (docs/vllm.md)")
+        sys.exit('error: vLLM is not installed: pip install -e "plugins/inference/vllm[cpu]" (docs/vllm.md)')
 
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     ckpt = write_checkpoint(work / "ckpt", args.seed)

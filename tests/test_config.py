@@ -142,3 +142,8 @@ def test_inference_section_is_validated_by_the_selected_backends_config_class():
         load_config(ConfigSources(overrides=[("inference.tensor_parallel_size", "4")]), registry=reg)
     text = dump_toml(to_dict(cfg))  # what the launcher writes for its processes reads back the same
     assert "tensor_parallel_size = 4" in text
+
+
+def test_the_nccl_weight_channel_needs_a_backend_that_receives_it():
+    with pytest.raises(ConfigError, match="inference.backend 'embedded' cannot receive"):
+        load_config(ConfigSources(overrides=[("trainer.weight_channel", "nccl")]))

@@ -149,7 +149,8 @@ class TrainerConfig:
     router_bias_update_rate: float = attrs.field(default=0.0, validator=_non_negative)
     checkpoint_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = only at the end
     # how weights reach inference: "filesystem" (HF checkpoints in the run directory, any
-    # node) or "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)
+    # node), "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)
+    # or "nccl" (broadcast from the trainer's GPU to vLLM's workers; GPUs and the vllm backend)
     weight_channel: Literal["filesystem", "shm", "nccl"] = "filesystem"
     # the parallelism plugin that lays the model out over the trainer's processes
     # (primerl.parallel.Parallelism): "auto" is "single" (one process, nothing sharded)
@@ -602,6 +603,13 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
         if field not in attrs.fields_dict(type(table)):
             continue
         name = getattr(table, field)
+        if key == "inference.backend" and cfg.trainer.weight_channel == "nccl":
+            backend = reg.load(kind, name)
+            if not hasattr(backend, "weight_sender"):
+                raise ConfigError(
+                    f"trainer.weight_channel = 'nccl' ({_src(sources, 'trainer.weight_channel')}) sends weights "
+                    f"straight to the inference servers, which inference.backend {name!r} cannot receive: use "
+                    f"--inference.backend vllm on GPUs, or --trainer.weight_channel filesystem (or shm)")
         if key == "trainer.parallelism":
             name = cfg.trainer.resolved_parallelism()
         try:

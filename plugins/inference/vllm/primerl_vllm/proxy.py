@@ -14,7 +14,11 @@ do the work:
 * ``POST /admin/weights`` pauses vLLM keeping in-flight requests (``/pause?mode=keep``),
   reloads the checkpoint in place (``/collective_rpc``: vLLM's ``reload_weights`` through
   :mod:`primerl_vllm.worker`, which also repacks CPU MoE weights), labels the
-  engine's weights with the new version (``/update_weight_version``) and resumes.
+  engine's weights with the new version (``/update_weight_version``) and resumes;
+* with ``trainer.weight_channel = "nccl"`` (GPUs), ``/admin/nccl/*`` forwards the trainer's
+  NCCL weight transfer (:mod:`primerl_vllm.weight_transfer`) to vLLM's routes of the same
+  names, inside the same pause / version / resume sequence, and ``/admin/weights`` with the
+  trainer's marker directory confirms the version that arrived instead of reloading.
 
 Versions are exact, not inferred from timing: vLLM's engine core attaches its current
 weight-version label to the outputs of every step, and the label only changes while the
@@ -46,11 +50,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from primerl_embedded import protocol
 from primerl_embedded.frontend import TokenizerFrontend, error
-from pydantic import field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from primerl import inference as api
 from primerl.envs.multiturn import split_tool_calls
+from primerl_vllm.weight_transfer import NCCL_MARKER, PREFIX
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 GENERATE = "/inference/v1/generate"
@@ -81,6 +86,27 @@ class ChatCompletionRequest(protocol.ChatCompletionRequest):
 
 class ChatTokensRequest(protocol.ChatTokensRequest):
     _no_stream = field_validator("stream")(classmethod(lambda cls, v: _no_stream(v)))
+
+
+class NcclInitRequest(BaseModel):
+    """``/admin/nccl/init_weight_transfer_engine``: vLLM's ``NCCLWeightTransferInitInfo`` fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    init_info: dict[str, Any]
+
+
+class NcclUpdateRequest(BaseModel):
+    """``/admin/nccl/update_weights``: one chunk's names, dtype names and shapes (or a list, one per worker)."""
+
+    model_config = ConfigDict(extra="forbid")
+    update_info: dict[str, Any] | list[dict[str, Any]]
+
+
+class NcclFinishRequest(BaseModel):
+    """``/admin/nccl/finish_weight_update``: the policy version the new weights are."""
+
+    model_config = ConfigDict(extra="forbid")
+    weight_version: int
 
 
 class UpstreamError(Exception):
@@ -145,7 +171,8 @@ class Proxy(TokenizerFrontend):
     """The endpoints of one primerl server in front of one vLLM server."""
 
     def __init__(self, upstream: str, tokenizer: Any, model_name: str, *, max_model_len: int,
-                 served_config: dict[str, Any], moe_layout: dict[str, Any], version: int = 0) -> None:
+                 served_config: dict[str, Any], moe_layout: dict[str, Any], version: int = 0,
+                 nccl: bool = False) -> None:
         self.upstream = upstream
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -160,6 +187,8 @@ class Proxy(TokenizerFrontend):
         self.updates = 0
         self.last_update_seconds = 0.0
         self.in_flight = 0  # sequences sent to vLLM and not finished
+        self.nccl = nccl  # vLLM was started with --weight-transfer-config (trainer.weight_channel = "nccl")
+        self.nccl_update: float | None = None  # perf_counter at start_weight_update while an NCCL update runs
         self._http: httpx.AsyncClient | None = None
         self._open: asyncio.Event | None = None  # cleared while weights are updated: new requests wait
         self._lock: asyncio.Lock | None = None
@@ -439,6 +468,8 @@ class Proxy(TokenizerFrontend):
         return None
 
     async def update_weights(self, req: protocol.WeightUpdateRequest) -> Any:
+        if Path(req.path).is_dir() and (Path(req.path) / NCCL_MARKER).exists():
+            return await self.confirm_nccl(req)
         why = self.check_update(req.path)
         if why:
             return error(400, why, "path")
@@ -464,6 +495,114 @@ class Proxy(TokenizerFrontend):
                 return error(500, f"weight update failed talking to vLLM: {exc}", kind="upstream_error")
             finally:
                 self.open.set()
+        self.updates += 1
+        self.last_update_seconds = time.perf_counter() - t0
+        return api.WeightUpdateResponse(policy_version=self.version, seconds=self.last_update_seconds)
+
+    # ---- NCCL weight transfer (trainer.weight_channel = "nccl") -------------------------------
+    def nccl_refused(self) -> JSONResponse | None:
+        if self.nccl:
+            return None
+        return error(400, "this server was not started for NCCL weight transfer: run with --trainer.weight_channel "
+                          "nccl (vLLM then starts with --weight-transfer-config), on CUDA GPUs")
+
+    async def confirm_nccl(self, req: protocol.WeightUpdateRequest) -> Any:
+        """``/admin/weights`` with the trainer's NCCL marker: the weights arrived over NCCL
+        already (the trainer publishes the marker after its send finished); confirm them."""
+        refused = self.nccl_refused()
+        if refused is not None:
+            return refused
+        try:
+            version = req.version if req.version is not None else int(
+                json.loads((Path(req.path) / NCCL_MARKER).read_text())["version"])
+        except (ValueError, KeyError, TypeError) as exc:
+            return error(400, f"'{req.path}/{NCCL_MARKER}' is not a valid NCCL marker: {exc}", "path")
+        async with self.lock:  # after an update in progress, if any
+            if self.version < version:
+                return error(409, f"policy v{version} was published over NCCL, but this server holds v{self.version}: "
+                                  "the trainer's NCCL send did not reach it", "path")
+        return api.WeightUpdateResponse(policy_version=self.version, seconds=0.0)
+
+    async def nccl_world_size(self) -> Any:
+        """How many vLLM workers (TP x PP x DP) join the trainer's NCCL group."""
+        refused = self.nccl_refused()
+        if refused is not None:
+            return refused
+        body = await self.call("GET", "/get_world_size", params={"include_dp": "true"})
+        return {"world_size": int(body["world_size"]), "policy_version": self.version}
+
+    async def nccl_init(self, req: NcclInitRequest) -> Any:
+        """vLLM's workers join the trainer's group (blocks until every rank has joined)."""
+        refused = self.nccl_refused()
+        if refused is not None:
+            return refused
+        return await self.call("POST", "/init_weight_transfer_engine", json={"init_info": req.init_info})
+
+    async def nccl_shutdown(self) -> Any:
+        refused = self.nccl_refused()
+        if refused is not None:
+            return refused
+        return await self.call("POST", "/shutdown_weight_transfer_engine")
+
+    async def _end_nccl_update(self) -> None:
+        """Resume vLLM and let new requests in; the update lock is released."""
+        try:
+            if not self.paused:
+                await self.call("POST", "/resume")
+        finally:
+            self.nccl_update = None
+            self.open.set()
+            self.lock.release()
+
+    async def nccl_start(self) -> Any:
+        """Hold new requests, pause vLLM keeping requests in flight, start its layerwise reload.
+        The update lock stays held until ``finish_weight_update`` (or a failed chunk)."""
+        refused = self.nccl_refused()
+        if refused is not None:
+            return refused
+        await self.lock.acquire()
+        self.open.clear()
+        self.nccl_update = time.perf_counter()
+        try:
+            await self.call("POST", "/pause", params=KEEP)
+            await self.call("POST", "/start_weight_update")
+        except (UpstreamError, httpx.HTTPError) as exc:
+            await self._end_nccl_update()
+            return error(500, f"vLLM could not start an NCCL weight update: {exc}; still serving policy "
+                              f"v{self.version}", kind="upstream_error")
+        return {"status": "started", "policy_version": self.version}
+
+    async def nccl_chunk(self, req: NcclUpdateRequest) -> Any:
+        """One chunk: vLLM's workers receive it from the trainer's broadcast and load it."""
+        refused = self.nccl_refused()
+        if refused is not None:
+            return refused
+        if self.nccl_update is None:
+            return error(409, f"no NCCL weight update in progress: POST {PREFIX}/start_weight_update first")
+        try:
+            await self.call("POST", "/update_weights", json={"update_info": req.update_info})
+        except (UpstreamError, httpx.HTTPError) as exc:
+            await self._end_nccl_update()
+            return error(400, f"vLLM failed receiving weights over NCCL: {exc}; still serving policy v{self.version} "
+                              "(weights may be partly replaced and the NCCL group unusable: restart the run)")
+        return {"status": "received"}
+
+    async def nccl_finish(self, req: NcclFinishRequest) -> Any:
+        """Finish vLLM's reload, label its weights ``weight_version``, resume."""
+        refused = self.nccl_refused()
+        if refused is not None:
+            return refused
+        if self.nccl_update is None:
+            return error(409, f"no NCCL weight update in progress: POST {PREFIX}/start_weight_update first")
+        t0 = self.nccl_update
+        try:
+            await self.call("POST", "/finish_weight_update", json={"weight_version": str(req.weight_version)})
+        except (UpstreamError, httpx.HTTPError) as exc:
+            await self._end_nccl_update()
+            return error(400, f"vLLM could not finish the NCCL weight update: {exc}; still serving policy "
+                              f"v{self.version} (weights may be partly replaced)")
+        self.version = req.weight_version  # before new requests are let in: they start under it
+        await self._end_nccl_update()
         self.updates += 1
         self.last_update_seconds = time.perf_counter() - t0
         return api.WeightUpdateResponse(policy_version=self.version, seconds=self.last_update_seconds)
@@ -541,6 +680,15 @@ def create_app(proxy: Proxy) -> FastAPI:
     async def chat_tokens(req: ChatTokensRequest) -> Any:
         return await proxy.chat_tokens(req)
 
+    async def nccl_init(req: NcclInitRequest) -> Any:
+        return await proxy.nccl_init(req)
+
+    async def nccl_chunk(req: NcclUpdateRequest) -> Any:
+        return await proxy.nccl_chunk(req)
+
+    async def nccl_finish(req: NcclFinishRequest) -> Any:
+        return await proxy.nccl_finish(req)
+
     for method, path, handler in [
         ("GET", api.HEALTH, proxy.health),
         ("GET", api.MODELS, proxy.models),
@@ -554,6 +702,13 @@ def create_app(proxy: Proxy) -> FastAPI:
         ("POST", api.ADMIN_PAUSE, proxy.pause),
         ("POST", api.ADMIN_RESUME, proxy.resume),
         ("GET", api.ADMIN_STATUS, proxy.status),
+        # the trainer's NCCL weight transfer (weight_transfer.py), named after vLLM's routes
+        ("GET", f"{PREFIX}/world_size", proxy.nccl_world_size),
+        ("POST", f"{PREFIX}/init_weight_transfer_engine", nccl_init),
+        ("POST", f"{PREFIX}/start_weight_update", proxy.nccl_start),
+        ("POST", f"{PREFIX}/update_weights", nccl_chunk),
+        ("POST", f"{PREFIX}/finish_weight_update", nccl_finish),
+        ("POST", f"{PREFIX}/shutdown_weight_transfer_engine", proxy.nccl_shutdown),
     ]:
         app.add_api_route(path, handler, methods=[method], response_model=None)
     return app
