@@ -19,11 +19,12 @@ def one_process():
     return run_on_ranks(1, step_on_layout, "qwen3-moe", {}, True)[0]
 
 
-@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"dp_shard": 2, "ep": 2}], ids=["fsdp", "fsdp+ep"])
-def test_two_ranks_compute_the_step_of_one_process(one_process, parallel):
-    ranks = run_on_ranks(2, step_on_layout, "qwen3-moe", parallel, True)
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"dp_shard": 2, "ep": 2}, {"dp_shard": 2, "cp": 2, "ep": 2}],
+                         ids=["fsdp", "fsdp+ep", "fsdp+ep+cp"])
+def test_ranks_compute_the_step_of_one_process(one_process, parallel):
+    ranks = run_on_ranks(ParallelConfig(**parallel).world_size(), step_on_layout, "qwen3-moe", parallel, True)
     assert max_rel_err(one_process, ranks[0]) < 1e-4
-    assert ranks[0]["loss"] == ranks[1]["loss"] and ranks[0]["grad_norm"] == ranks[1]["grad_norm"]
+    assert all(r["loss"] == ranks[0]["loss"] and r["grad_norm"] == ranks[0]["grad_norm"] for r in ranks)
     assert ranks[0]["grad_norm"] == pytest.approx(one_process["grad_norm"], rel=1e-4)
 
 

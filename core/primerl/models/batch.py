@@ -6,6 +6,13 @@ visibility, cache write positions and per-batch tensors (``extra``, RoPE angles)
 layers share. Packed rows may be laid out one sequence per row for attention
 (:class:`Segments`); :func:`mix` runs a sequence mixer in that layout.
 
+Context parallelism (each process holds a slice of every packed row) plugs in here too:
+while :func:`sharded_rows` is active, :func:`make_batch` asks the :class:`RowShard` for the
+batch of the slice, whose :meth:`Batch.keys` returns the whole row's keys (gathered from
+the other ranks) and whose ``visible`` relates the local queries to them. Sequence mixers
+read the keys of other tokens only through :meth:`Batch.keys`, so attention needs no code
+of its own for it (``primerl_fsdp.context_parallel``).
+
 Sequence mixers (:mod:`primerl.models.attention`, :mod:`~primerl.models.mla`,
 :mod:`~primerl.models.mamba2`) and :mod:`primerl.models.decoder` import this module; it
 imports none of them.
@@ -13,8 +20,11 @@ imports none of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -117,6 +127,9 @@ class Batch:
     # attention is exact for valid queries (SDPA's is_causal, no mask tensor to read)
     causal: bool = False
     slot_range: tuple[int, int] | None = None  # slots are start..stop-1 in order: cache rows are read in place
+    # context parallel (no cache): this rank's [B, S, *D] -> the whole rows' [B, T, *D] in
+    # global token order, differentiably (see RowShard); ``visible`` is then [B, S, T]
+    gather_keys: Callable[[Tensor], Tensor] | None = None
     _biases: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
     _keys_seen: Tensor | None = field(default=None, repr=False)
 
@@ -136,12 +149,14 @@ class Batch:
         return self._keys_seen
 
     def keys(self, new: Tensor, layer: int, name: str) -> Tensor:
-        """Keys seen by the new tokens: ``new`` itself, or the cache after writing ``new`` into it.
+        """Keys seen by the new tokens: ``new`` itself, the cache after writing ``new`` into
+        it, or (context parallel) the whole rows' keys gathered from every rank.
 
-        new: [B, S, *D]; the store is [num_slots, max_len, *D]; returns [B, T, *D].
+        new: [B, S, *D]; the store is [num_slots, max_len, *D]; returns [B, T, *D]. Every
+        sequence mixer reads other tokens' keys (and values) through this method only.
         """
         if self.cache is None:
-            return new
+            return new if self.gather_keys is None else self.gather_keys(new)
         store = self.cache.per_token[layer][name]
         b, i, slot, pos = self.write_at
         store[slot, pos] = new[b, i].to(store.dtype)
@@ -156,6 +171,33 @@ class Batch:
         return store.index_select(0, self.slots)
 
 
+class RowShard(Protocol):
+    """This process holds a slice of every row (context parallelism): the batch of the slice.
+
+    ``make_batch(positions, lengths, segment_ids)`` gets this rank's tokens ([B, S] each,
+    ``lengths`` [B] counting the whole rows' valid tokens) and returns a :class:`Batch`
+    with ``valid`` [B, S] for this rank's tokens, ``gather_keys`` set and ``visible``
+    [B, S, T] over the whole rows' T keys, or with ``segments`` whose batch does the same
+    one sequence per row.
+    """
+
+    def make_batch(self, positions: Tensor, lengths: Tensor, segment_ids: Tensor | None) -> Batch: ...
+
+
+_row_shard: ContextVar[RowShard | None] = ContextVar("primerl_row_shard", default=None)
+
+
+@contextmanager
+def sharded_rows(shard: RowShard) -> Iterator[None]:
+    """Within this block, :func:`make_batch` builds batches of cache-free forwards through
+    ``shard`` (a forward hook of context-parallel models enters it)."""
+    token = _row_shard.set(shard)
+    try:
+        yield
+    finally:
+        _row_shard.reset(token)
+
+
 def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, cache: SlotCache | None,
                slots: Tensor | range | None, past_lens: Tensor | None, *, unpack_segments: bool = False) -> Batch:
     """Key visibility and cache addressing shared by all layers.
@@ -163,7 +205,13 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
     ``unpack_segments``: for packed rows, lay the sequences out one per row for attention
     when that is cheaper (:class:`Segments`); the packed rows' own [B, S, S] mask is then
     never built (``visible`` is None), which is what keeps long packed rows affordable.
+    Inside :func:`sharded_rows` the :class:`RowShard` builds the batch instead.
     """
+    shard = _row_shard.get()
+    if shard is not None:
+        if cache is not None:
+            raise ValueError("a forward over sharded rows (context parallel) cannot use a cache")
+        return shard.make_batch(positions, lengths, segment_ids)
     B, S = positions.shape
     device = positions.device
     i = torch.arange(S, device=device)
