@@ -90,6 +90,11 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, saved_on, res
         assert torch.equal(m, resumed["moments"][name]), name
 
 
+def test_cpu_offload_on_a_cpu_trainer_is_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="cpu_offload keeps parameters.*leave cpu_offload off"):
+        run_on_ranks(2, step_on_layout, "qwen3-moe", {"dp_shard": 2, "cpu_offload": True})
+
+
 def test_layouts_that_do_not_fit_are_refused_naming_the_keys():
     assert ParallelConfig(ep=2).resolved(4).dp_shard == 4
     with pytest.raises(ConfigError, match=r"must equal the trainer's ranks, nodes x trainer.nproc = 2"):

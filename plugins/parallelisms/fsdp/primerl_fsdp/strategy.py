@@ -90,6 +90,10 @@ class FSDP:
         device = model.device
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
             else MixedPrecisionPolicy()
+        if s.cpu_offload and device.type == "cpu":
+            raise PrimerlError("trainer.parallel.cpu_offload keeps parameters, gradients and optimizer state in CPU "
+                               "memory while a GPU computes (pinned memory needs an accelerator); this trainer runs "
+                               "on the CPU already: leave cpu_offload off")
         offload = CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy()
         if s.ep > 1:
             from primerl_fsdp.expert_parallel import shard_experts_
