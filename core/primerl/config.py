@@ -52,7 +52,11 @@ def _non_negative(_inst: Any, attribute: attrs.Attribute, value: float) -> None:
 class EnvConfig:
     """The ``[env]`` section; environments subclass it to add their own options."""
 
+    # the environment plugin (register_envs): reverse-text, alphabet-sort, wordle, swe,
+    # verifiers...; `primerl plugins list` shows those installed
     name: str = "reverse-text"
+    # seeds the env's own task generation (the built-in envs draw their tasks from it), apart
+    # from the run's seed, so one task set can be trained with different run seeds
     seed: int = 0
 
 
@@ -60,15 +64,25 @@ class EnvConfig:
 class InferenceConfig:
     """The ``[inference]`` section: the server(s) that generate rollouts."""
 
+    # the inference backend plugin (register_inference_backends): "embedded" (primerl's own
+    # engine, CPU or GPU) or "vllm" (its own keys: docs/vllm.md)
     backend: str = "embedded"
     # the router plugin in front of the inference servers (the orchestrator talks to one endpoint)
     router: str = "round-robin"
-    host: str = "127.0.0.1"
-    port: int = attrs.field(default=8000, validator=_non_negative)  # 0 = pick a free port
+    host: str = "127.0.0.1"  # address the inference server listens on and the orchestrator calls
+    # the server's HTTP port (OpenAI API + admin); 0, or a port in use, makes the local
+    # launcher pick a free one
+    port: int = attrs.field(default=8000, validator=_non_negative)
+    # sequences decoded together (vLLM's --max-num-seqs); the embedded engine also refuses
+    # a request for more samples (n) than this
     max_batch_size: int = attrs.field(default=64, validator=_positive)
+    # most tokens of one sequence, prompt + completion (vLLM's --max-model-len)
     max_model_len: int = attrs.field(default=1024, validator=_positive)
+    # embedded engine: sequences its KV cache holds, each max_model_len long (running ones
+    # and idle cached prefixes); at least max_batch_size, more leaves room for prefix reuse
     kv_slots: int = attrs.field(default=128, validator=_positive)
-    dtype: str | None = None  # None: the model section's dtype
+    # "float32", "bfloat16" or "float16" for the served model; None: the model section's dtype
+    dtype: str | None = None
     # KV store plugin (register_kv_stores) that keeps finished sequences' KV for prefix reuse
     kv_store: str = "memory"
     # where the engine runs: "auto" is CUDA when torch sees a GPU, else the CPU
@@ -94,11 +108,21 @@ class ParallelConfig:
     out. ``dp_replicate x dp_shard x cp`` is the number of ranks (nodes x nproc);
     expert parallel ``ep`` is carved out of ``dp_shard x cp`` (it must divide it)."""
 
-    dp_replicate: int = attrs.field(default=1, validator=_positive)  # replicas (HSDP's outer dimension)
-    dp_shard: int = attrs.field(default=-1)  # FSDP2 shards; -1: the ranks the other dimensions leave
-    cp: int = attrs.field(default=1, validator=_positive)  # context parallel: each row's tokens split
-    ep: int = attrs.field(default=1, validator=_positive)  # expert parallel: routed experts split
-    cpu_offload: bool = False  # FSDP2 keeps parameters, gradients and optimizer state in CPU memory
+    # replicas of the sharded model (HSDP's outer dimension): each trains its share of the
+    # rows, gradients are summed over them
+    dp_replicate: int = attrs.field(default=1, validator=_positive)
+    # FSDP2 shards: parameters, gradients and optimizer state split over this many ranks;
+    # -1: the ranks the other dimensions leave
+    dp_shard: int = attrs.field(default=-1)
+    # context parallel: each row's tokens split over this many ranks (zigzag chunks), for rows
+    # too long for one device
+    cp: int = attrs.field(default=1, validator=_positive)
+    # expert parallel: the routed experts split over this many ranks, tokens sent to them
+    # all-to-all; must divide dp_shard x cp
+    ep: int = attrs.field(default=1, validator=_positive)
+    # FSDP2 keeps parameters, gradients and optimizer state in CPU memory: slower, for a
+    # model that does not fit on the devices
+    cpu_offload: bool = False
 
     def world_size(self) -> int | None:
         """Ranks the layout needs, or None when ``dp_shard`` fills whatever is given."""
@@ -130,16 +154,32 @@ class ParallelConfig:
 class TrainerConfig:
     """The ``[trainer]`` section: optimisation and weight publishing."""
 
-    lr: float = attrs.field(default=1e-3, validator=_positive)
+    lr: float = attrs.field(default=1e-3, validator=_positive)  # AdamW's learning rate after warm-up
+    # AdamW's decoupled weight decay, on matrices only (not norms or biases); the SFT
+    # warm-up uses it too
     weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+    # gradients are clipped to this global L2 norm (over every shard) before each step
     max_grad_norm: float = attrs.field(default=1.0, validator=_positive)
+    # optimizer steps of linear LR warm-up, from lr / warmup_steps up to lr (0 = none)
     warmup_steps: int = attrs.field(default=0, validator=_non_negative)
+    # the LR after warm-up: "constant", or a "cosine" or "linear" decay to 0 at max_steps
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    seq_len: int = attrs.field(default=2048, validator=_positive)  # tokens per packed row
-    micro_batch_rows: int = attrs.field(default=8, validator=_positive)  # packed rows per forward
+    # tokens per packed training row; every sample (prompt + completion) must fit in one
+    seq_len: int = attrs.field(default=2048, validator=_positive)
+    # packed rows per forward: gradients accumulate over a step's forwards, so this trades
+    # memory for speed and leaves the update unchanged
+    micro_batch_rows: int = attrs.field(default=8, validator=_positive)
+    # the loss plugin (register_losses) or a "module:function": "default" is prime-rl's
+    # importance-ratio loss with probability-difference masking
     loss: str = "default"
+    # default loss: weight of the (log trainer/inference probability ratio)^2 penalty on
+    # each kept token (0 = off)
     kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
+    # default loss: a token gets no gradient once its probability has moved more than this
+    # (p_train - p_infer) in the direction its advantage pushes
     mask_threshold: float = attrs.field(default=0.2, validator=_positive)
+    # R3, rollout routing replay: MoE layers send each token to the experts inference chose,
+    # so trainer and engine compute the same function (needs the engine's routed experts)
     router_replay: bool = False
     # per-layer routing agreement with inference (needs the engine's routed experts, which
     # the orchestrator then requests for every sample)
@@ -147,7 +187,9 @@ class TrainerConfig:
     # aux-loss-free MoE load balancing: per-step move of the routers' correction bias
     # (DeepSeek-V3 uses 1e-3 in pretraining; 0 leaves a pretrained model's routing alone)
     router_bias_update_rate: float = attrs.field(default=0.0, validator=_non_negative)
-    checkpoint_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = only at the end
+    # steps between resumable checkpoints (weights, optimizer, scheduler, RNG) under
+    # checkpoints/; 0 = only at the end. A rerun into the same output_dir resumes from the newest
+    checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
     # how weights reach inference: "filesystem" (HF checkpoints in the run directory, any
     # node), "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)
     # or "nccl" (broadcast from the trainer's GPU to vLLM's workers; GPUs and the vllm backend)
@@ -156,15 +198,17 @@ class TrainerConfig:
     # (primerl.parallel.Parallelism): "auto" is "single" (one process, nothing sharded)
     # for one rank and "fsdp" (FSDP2 with expert and context parallel) for more
     parallelism: str = "auto"
-    # trainer processes per node, started with torchrun when more than one
+    # trainer processes (ranks) per node, started with torchrun when more than one; on
+    # GPUs usually one per GPU
     nproc: int = attrs.field(default=1, validator=_positive)
-    # "auto": CUDA when present (bf16 compute, fp32 master weights), else the CPU (fp32)
+    # where the trainer runs: "auto" is CUDA when present (bf16 compute, fp32 master
+    # weights), else the CPU (fp32)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # block-scaled FP8 matmuls, the DeepSeek-V3 recipe (weights in 128x128 blocks,
     # activations in 1x128 tiles, e4m3, fp32 scales); routers, norms, embeddings and the
     # head stay high precision. Emulated with torch's float8 dtypes on CPU.
     fp8: bool = False
-    parallel: ParallelConfig = attrs.field(factory=lambda: ParallelConfig())
+    parallel: ParallelConfig = attrs.field(factory=lambda: ParallelConfig())  # [trainer.parallel]: the device mesh
 
     def resolved_parallelism(self) -> str:
         """The strategy ``parallelism`` names: ``auto`` is ``single`` for one process with
@@ -186,15 +230,27 @@ class TrainerConfig:
 class OrchestratorConfig:
     """The ``[orchestrator]`` section: rollouts, advantages, batches, staleness."""
 
-    batch_size: int = attrs.field(default=64, validator=_positive)  # samples per step
-    group_size: int = attrs.field(default=8, validator=_positive)  # samples per prompt
-    max_tokens: int = attrs.field(default=64, validator=_positive)
+    # samples per trainer step (one rollout batch); a multiple of group_size
+    batch_size: int = attrs.field(default=64, validator=_positive)
+    # samples per prompt: the group whose rewards each advantage is relative to
+    group_size: int = attrs.field(default=8, validator=_positive)
+    max_tokens: int = attrs.field(default=64, validator=_positive)  # most tokens sampled per model turn
+    # sampling temperature of the training rollouts (0 = greedy)
     temperature: float = attrs.field(default=1.0, validator=_non_negative)
+    # nucleus sampling: only the most likely tokens holding this much probability; in (0, 1], 1 = off
     top_p: float = 1.0
-    max_concurrent: int = attrs.field(default=256, validator=_positive)  # samples in flight
-    env_workers: int = attrs.field(default=4, validator=_positive)  # processes running multi-turn env code
+    # samples in flight at once (whole groups are started, at least one)
+    max_concurrent: int = attrs.field(default=256, validator=_positive)
+    # processes running multi-turn and agent env code, so a hung or crashed env costs one group
+    env_workers: int = attrs.field(default=4, validator=_positive)
+    # how far generation runs ahead of training: with inference at policy version v, groups
+    # of batches up to v + 1 + async_level may start (0 = synchronous, on-policy)
     async_level: int = attrs.field(default=1, validator=_non_negative)
+    # samples whose oldest token is more than this many policy versions older than their
+    # batch's (n - 1 for batch n) are dropped, counted in dropped_stale; >= async_level
     max_off_policy_steps: int = attrs.field(default=8, validator=_non_negative)
+    # the advantage plugin (register_advantages) or a "module:function": "grpo" (reward minus
+    # the group mean) or "grpo_std" (that, divided by the group's std)
     advantage: str = "grpo"
     # stop the run when this many rollout groups fail in a row with none succeeding in
     # between: the env cannot run its tasks (a missing sandbox, a broken harness)
@@ -202,7 +258,8 @@ class OrchestratorConfig:
     # evaluation on the env's "eval" split every eval_every batches (0 = never): each task
     # once at eval_temperature (0 = greedy), logged as eval/* with the batch after it ends
     eval_every: int = attrs.field(default=0, validator=_non_negative)
-    eval_tasks: int = attrs.field(default=64, validator=_positive)  # at most this many eval tasks
+    eval_tasks: int = attrs.field(default=64, validator=_positive)  # evaluate the eval split's first this many tasks
+    # sampling temperature of evaluations (0 = greedy)
     eval_temperature: float = attrs.field(default=0.0, validator=_non_negative)
 
 
@@ -214,13 +271,18 @@ class SftConfig:
     improve. ``steps = 0`` skips it (the usual case for a pretrained checkpoint).
     """
 
-    steps: int = attrs.field(default=0, validator=_non_negative)
+    steps: int = attrs.field(default=0, validator=_non_negative)  # optimizer steps of the warm-up; 0 = none
+    # the warm-up's own AdamW learning rate (constant; trainer.weight_decay and
+    # trainer.max_grad_norm apply)
     lr: float = attrs.field(default=3e-3, validator=_positive)
+    # tasks of the env's train split (cycled) per warm-up step, one reference answer each
     batch_size: int = attrs.field(default=32, validator=_positive)
 
 
 @attrs.define(kw_only=True)
 class LauncherConfig:
+    # the launcher plugin (register_launchers) that starts inference, orchestrator and
+    # trainer: "local" runs them all on this machine
     name: str = "local"
 
 
@@ -228,16 +290,20 @@ class LauncherConfig:
 class RunConfig:
     """Everything a run needs; written to ``OUTPUT_DIR/config.toml`` for its processes."""
 
+    # the run directory: config, logs, rollouts, weights, checkpoints, metrics
+    # (docs/architecture.md); a rerun into it resumes from its newest checkpoint
     output_dir: str = "outputs/run"
+    # trainer steps (one rollout batch each); also where a cosine or linear LR decay ends
     max_steps: int = attrs.field(default=100, validator=_positive)
+    # the run's seed: the trainer's torch and Python RNGs, the order of the env's tasks, vLLM's --seed
     seed: int = 0
-    model: ModelConfig = attrs.field(factory=ModelConfig)
-    env: EnvConfig = attrs.field(factory=EnvConfig)
-    inference: InferenceConfig = attrs.field(factory=InferenceConfig)
-    trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
-    orchestrator: OrchestratorConfig = attrs.field(factory=OrchestratorConfig)
-    sft: SftConfig = attrs.field(factory=SftConfig)
-    launcher: LauncherConfig = attrs.field(factory=LauncherConfig)
+    model: ModelConfig = attrs.field(factory=ModelConfig)  # [model]: checked by the model plugin's Config
+    env: EnvConfig = attrs.field(factory=EnvConfig)  # [env]: checked by the environment's Config
+    inference: InferenceConfig = attrs.field(factory=InferenceConfig)  # [inference]: or the backend's Config
+    trainer: TrainerConfig = attrs.field(factory=TrainerConfig)  # [trainer]
+    orchestrator: OrchestratorConfig = attrs.field(factory=OrchestratorConfig)  # [orchestrator]
+    sft: SftConfig = attrs.field(factory=SftConfig)  # [sft]: the optional warm-up before RL
+    launcher: LauncherConfig = attrs.field(factory=LauncherConfig)  # [launcher]
 
     def check(self, sources: Mapping[str, str]) -> None:
         """Rules that span fields; each error names the keys involved."""

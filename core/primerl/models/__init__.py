@@ -40,11 +40,19 @@ def _check_checkpoint(_inst: Any, attribute: attrs.Attribute, value: str | None)
 class ModelConfig:
     """The ``[model]`` section shared by every model plugin (plugins may subclass it)."""
 
+    # the model plugin (register_models): glm5, kimi, nemotron, qwen3-moe...; `primerl
+    # plugins list` shows those installed
     name: str = "glm5"
+    # one of the plugin's named architectures (e.g. "tiny"), built with random weights and
+    # the byte tokenizer; ignored when checkpoint is set
     preset: str = "tiny"
+    # a local HF checkpoint directory (config.json + *.safetensors, tokenizer) to start
+    # from; None: the preset, randomly initialised
     checkpoint: str | None = attrs.field(default=None, validator=_check_checkpoint)
+    # "float32", "bfloat16" or "float16": what inference serves in unless inference.dtype
+    # says otherwise; the trainer always keeps float32 master weights
     dtype: str = attrs.field(default="float32", validator=_check_dtype)
-    seed: int = 0
+    seed: int = 0  # the random init of a preset's weights (unused with a checkpoint)
 
 
 class ModelAdapter:
