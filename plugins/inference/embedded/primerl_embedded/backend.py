@@ -30,6 +30,10 @@ class EmbeddedBackend:
         if cfg.inference.dtype:
             model_cfg = attrs.evolve(model_cfg, dtype=cfg.inference.dtype)
         model = adapter.build(model_cfg, device=cfg.inference.resolved_device())
+        if cfg.trainer.fp8:  # the trainer's block-scaled FP8 matmuls here too: both sides compute the same numbers
+            from primerl.trainer.fp8 import apply_fp8_training_
+
+            apply_fp8_training_(model)
         tokenizer = adapter.tokenizer(model_cfg)
         layout = adapter.moe_layout(model_cfg)
         eos = tokenizer.eos_token_id
