@@ -200,3 +200,15 @@ def test_a_swe_run_whose_tasks_cannot_be_set_up_stops_with_the_cause(tmp_path):
     (cause,) = [line for line in r.stderr.splitlines() if "stopping the run" in line]
     assert "rollout groups failed" in cause and "not a git repository" in cause
     assert "Traceback" not in r.stderr
+
+
+def test_fp8_training_and_inference_compute_the_same_numbers(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "qwen3-moe", "--env", "reverse-text",
+                        "--max-steps", "1", "--output-dir", str(out), *SMALL, "--trainer.fp8", "true"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fp8: block-scaled FP8 matmuls in" in (out / "logs" / "trainer.log").read_text()
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # on-policy: the engine runs the trainer's FP8 matmuls, so the logprobs agree exactly
+    assert row["mismatch_kl"] == 0.0 and row["routing_agreement"] == 1.0
