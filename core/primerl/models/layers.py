@@ -317,9 +317,13 @@ class Experts(nn.Module):
                 continue
             t, s = tok[start : start + n], slot[start : start + n]
             start += n
-            y = F.linear(self._hidden(F.linear(x[t], w_in[e])), self.down_proj[e]) * weights[t, s, None]
+            y = self.linear(self._hidden(self.linear(x[t], w_in[e])), self.down_proj[e]) * weights[t, s, None]
             out.index_add_(0, t, y.to(out.dtype))
         return out
+
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        """One expert's GEMM, ``x @ w.T`` (x: [n, in]; w: [out, in]); FP8 training overrides it."""
+        return F.linear(x, w)
 
     def _dense(self, x: Tensor, ids: Tensor, weights: Tensor, valid: Tensor) -> Tensor:
         """Every expert on every token, each expert's hidden state scaled by its routing

@@ -368,30 +368,9 @@ class Fp8Experts(Experts):
 
     fp8_activations: bool = True
 
-    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, valid: Tensor) -> Tensor:
-        """x: [N, hidden]; ids, weights: [N, top_k]; valid: [N] bool. Returns [N, hidden]."""
-        from primerl.models import layers
-
-        E, k = self.down_proj.shape[0], ids.shape[1]
-        if E <= layers.DENSE_EXPERTS_MAX_RATIO * k and x.shape[0] * k <= layers.DENSE_EXPERTS_MAX_TOKENS * E:
-            return self._dense(x, ids, weights, valid)
-        out = torch.zeros_like(x)
-        tok, slot = valid[:, None].expand_as(ids).nonzero(as_tuple=True)  # pairs of valid tokens
-        expert = ids[tok, slot]
-        order = expert.argsort(stable=True)
-        tok, slot, expert = tok[order], slot[order], expert[order]
-        counts = torch.bincount(expert, minlength=E).tolist()
-        w_in, act = self.in_proj, self.fp8_activations
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            t, s = tok[start : start + n], slot[start : start + n]
-            start += n
-            h = self._hidden(fp8_linear(x[t], w_in[e], activations=act))  # [n, I]
-            y = fp8_linear(h, self.down_proj[e], activations=act) * weights[t, s, None]  # [n, hidden]
-            out.index_add_(0, t, y.to(out.dtype))
-        return out
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        """One expert's GEMM in FP8 (the per-expert loop of :meth:`Experts.forward` calls it)."""
+        return fp8_linear(x, w, activations=self.fp8_activations)
 
     def _dense(self, x: Tensor, ids: Tensor, weights: Tensor, valid: Tensor) -> Tensor:
         """:meth:`Experts._dense` in FP8: every expert on every token (one grouped GEMM with
