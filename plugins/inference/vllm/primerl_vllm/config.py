@@ -66,6 +66,14 @@ UNSERVABLE: dict[str, dict[str, str]] = {
 CPU_PRESET = "tiny-vllm"
 CPU_MLA_WIDTH = 576  # vLLM's CPU MLA decode kernel: kv_lora_rank + qk_rope_head_dim == 512 + 64
 
+# KV connectors with which vLLM 0.32 refuses --enable-return-routed-experts ("PD auxiliary
+# output is not supported": VllmConfig._verify_aux_output_compatibility)
+NO_ROUTED_EXPERTS_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector",
+                                "MooncakeConnector")
+# inference.kv_store -> the vLLM KV connector that plays its part (memory: vLLM's own prefix
+# cache, plus --kv-offloading-size for a host-memory tier)
+KV_STORE_CONNECTORS = {"disk": "LMCacheConnectorV1", "mooncake": "MooncakeStoreConnector"}
+
 # flags the backend sets itself; extra_args may not change them (the proxy relies on them)
 RESERVED_FLAGS = ("--host", "--port", "--model", "--served-model-name", "--logprobs-mode",
                   "--enable-scale-out", "--generation-config", "--max-logprobs", "--worker-extension-cls",
@@ -99,6 +107,18 @@ def _kv_transfer(_inst: Any, attribute: attrs.Attribute, value: str | None) -> N
     if not isinstance(parsed, dict) or "kv_connector" not in parsed or "kv_role" not in parsed:
         raise ValueError(f"{attribute.name}: must be a JSON object with 'kv_connector' and 'kv_role', e.g. "
                          "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}'")
+
+
+def connectors(kv_transfer_config: str | None) -> list[str]:
+    """The KV connector names in a ``--kv-transfer-config`` JSON (a MultiConnector's too)."""
+    if not kv_transfer_config:
+        return []
+    parsed = json.loads(kv_transfer_config)
+    names = [parsed.get("kv_connector")]
+    for child in (parsed.get("kv_connector_extra_config") or {}).get("connectors", []) or []:
+        if isinstance(child, dict):
+            names.append(child.get("kv_connector"))
+    return [n for n in names if n]
 
 
 def _extra(_inst: Any, attribute: attrs.Attribute, value: list[str]) -> None:
@@ -180,6 +200,7 @@ class VllmConfig(InferenceConfig):
                 f"{key} ({src(key)}) needs routed experts from inference, which vLLM returns only with "
                 "Model Runner V2 (Triton on a GPU), not on CPU: drop the flag, or use --inference.backend "
                 "embedded, which returns them on CPU")
+        self._check_kv(run, src, device)
         hf = _hf_config(run)
         arch = (hf.get("architectures") or [None])[0]
         why = UNSERVABLE.get(device, {}).get(arch)
@@ -202,6 +223,54 @@ class VllmConfig(InferenceConfig):
                 f"inference.backend = 'vllm' ({src('inference.backend')}): vLLM is not installed in this "
                 f"environment. Install it with: {INSTALL_CPU}   (CPU; on a CUDA machine: {INSTALL_GPU}), "
                 "or use --inference.backend embedded")
+
+
+    def _check_kv(self, run: RunConfig, src: Any, device: str) -> None:
+        """``inference.kv_store`` mapped onto vLLM's KV connectors, and the combinations vLLM
+        refuses at start-up said here instead."""
+        store = self.kv_store
+        if store not in ("memory", *KV_STORE_CONNECTORS):
+            raise ConfigError(
+                f"inference.kv_store = {store!r} ({src('inference.kv_store')}) is an embedded-engine store with no "
+                f"vLLM counterpart: use memory (vLLM's prefix cache; kv_offload_gib adds a host-memory tier), "
+                f"disk (LMCache) or mooncake (MooncakeStoreConnector)")
+        if store in KV_STORE_CONNECTORS:
+            if self.kv_transfer_config:
+                raise ConfigError(
+                    f"inference.kv_store = {store!r} sets vLLM's --kv-transfer-config ({KV_STORE_CONNECTORS[store]}), "
+                    f"and inference.kv_transfer_config ({src('inference.kv_transfer_config')}) sets it too: keep one "
+                    f"(a MultiConnector in kv_transfer_config combines several)")
+            if device == "cpu":
+                raise ConfigError(
+                    f"inference.kv_store = {store!r} ({src('inference.kv_store')}) maps to vLLM's "
+                    f"{KV_STORE_CONNECTORS[store]}, which needs vLLM's GPU build (its KV connectors move GPU KV "
+                    f"blocks; LMCache publishes CUDA wheels only): on CPU use --inference.backend embedded, whose "
+                    f"{store} store runs here")
+        if self.routed_experts_on(run):
+            for name in connectors(self.kv_transfer_config):
+                if name in NO_ROUTED_EXPERTS_CONNECTORS:
+                    why = ("trainer.router_replay" if run.trainer.router_replay else
+                           "inference.return_routed_experts" if self.return_routed_experts else
+                           "trainer.routing_metrics")
+                    raise ConfigError(
+                        f"inference.kv_transfer_config uses {name}, with which vLLM refuses to return routed "
+                        f"experts (\"PD auxiliary output is not supported\"), but {why} ({src(why)}) needs them: "
+                        f"use a connector that keeps them (OffloadingConnector, LMCacheConnectorV1, "
+                        f"MooncakeStoreConnector), set {why} false, or use the embedded backend, whose P/D hands "
+                        f"routed experts over with the KV blocks")
+
+    def kv_store_connector(self, kv_dir: str) -> tuple[str | None, dict[str, str]]:
+        """(``--kv-transfer-config`` JSON or None, environment) that make vLLM play
+        ``inference.kv_store``; ``kv_dir`` is where the disk store keeps its files."""
+        store = self.kv_store
+        if store == "disk":
+            return (json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}),
+                    {"LMCACHE_LOCAL_DISK": f"file://{kv_dir}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "64",
+                     "LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256"})
+        if store == "mooncake":
+            return (json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}),
+                    {"MOONCAKE_CONFIG_PATH": f"{kv_dir}/mooncake_config.json"})
+        return None, {}
 
 
 def _no_cuda(inference_device: str, trainer_device: str) -> str | None:

@@ -91,8 +91,9 @@ def vllm_command(cfg: Any, model_dir: str | Path, port: int) -> list[str]:
         cmd += ["--kv-cache-dtype", inf.kv_cache_dtype]
     if inf.kv_offload_gib > 0:
         cmd += ["--kv-offloading-size", str(inf.kv_offload_gib), "--kv-offloading-backend", inf.kv_offload_backend]
-    if inf.kv_transfer_config:
-        cmd += ["--kv-transfer-config", inf.kv_transfer_config]
+    store_connector, _ = inf.kv_store_connector(kv_dir(cfg))
+    if inf.kv_transfer_config or store_connector:
+        cmd += ["--kv-transfer-config", inf.kv_transfer_config or store_connector]
     if inf.routed_experts_on(cfg):
         cmd.append("--enable-return-routed-experts")
     if inf.enforce_eager:
@@ -100,6 +101,26 @@ def vllm_command(cfg: Any, model_dir: str | Path, port: int) -> list[str]:
     if cfg.trainer.weight_channel == "nccl":  # the trainer sends weights over NCCL (weight_transfer.py)
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     return cmd + list(inf.extra_args)
+
+
+def kv_dir(cfg: Any) -> str:
+    """Where the vLLM KV stores keep their files (LMCache's disk tier, Mooncake's config)."""
+    return str(Path(cfg.output_dir).resolve() / "kv")
+
+
+def write_mooncake_config(path: Path) -> None:
+    """MooncakeStoreConnector's settings: the master the launcher started
+    (``MOONCAKE_MASTER``, default 127.0.0.1:50051), TCP unless RDMA is named
+    (``MOONCAKE_PROTOCOL``), segment and buffer sizes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": os.environ.get("MOONCAKE_MASTER", "127.0.0.1:50051"),
+        "global_segment_size": os.environ.get("MOONCAKE_GLOBAL_SEGMENT_SIZE", "16GB"),
+        "local_buffer_size": os.environ.get("MOONCAKE_LOCAL_BUFFER_SIZE", "4GB"),
+        "protocol": os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
+        "device_name": os.environ.get("MOONCAKE_DEVICE", ""),
+    }, indent=2) + "\n")
 
 
 def vllm_env(cfg: Any, hidden: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
@@ -113,6 +134,10 @@ def vllm_env(cfg: Any, hidden: tuple[str, ...] | list[str] = ()) -> dict[str, st
     if hidden:
         env[site.ENV] = ",".join(hidden)
         env["PYTHONPATH"] = os.pathsep.join([site.HERE, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    _, store_env = cfg.inference.kv_store_connector(kv_dir(cfg))
+    env.update(store_env)
+    if cfg.inference.kv_store == "mooncake":  # MooncakeStoreConnector reads its settings from this file
+        write_mooncake_config(Path(store_env["MOONCAKE_CONFIG_PATH"]))
     if cfg.inference.resolved_device() == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.inference.cpu_kv_cache_gib:g}"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
