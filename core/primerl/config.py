@@ -6,7 +6,8 @@ Every section is an attrs class validated at construction. Plugin sections (``[m
 ``[env]``) are validated by the selected plugin's own ``Config`` class, so a third-party
 environment declares its options once and gets the same checks and error messages; so is
 ``[inference]`` when the selected backend declares a ``Config`` (a subclass of
-InferenceConfig with its own keys, e.g. vLLM's parallel sizes).
+InferenceConfig with its own keys, e.g. vLLM's parallel sizes), and ``[launcher]`` when
+the selected launcher does (a subclass of LauncherConfig, e.g. Slurm's node counts).
 
 Errors name the key path, where the value came from (file or command line) and what is
 allowed; the CLI prints them and exits with code 2, without a traceback.
@@ -73,6 +74,13 @@ class InferenceConfig:
     # the server's HTTP port (OpenAI API + admin); 0, or a port in use, makes the local
     # launcher pick a free one
     port: int = attrs.field(default=8000, validator=_non_negative)
+    # inference servers (replicas of the same policy) the launcher starts; the orchestrator
+    # spreads requests over them through the router, re-sends a dead one's requests to
+    # another, and readmits it with the current weights when its /health answers again
+    replicas: int = attrs.field(default=1, validator=_positive)
+    # the servers' base URLs ("http://host:port") the orchestrator and trainer call; empty:
+    # replica i on host:port+i. The local launcher sets it to the ports it picked
+    urls: list[str] = attrs.field(factory=list)
     # sequences decoded together (vLLM's --max-num-seqs); the embedded engine also refuses
     # a request for more samples (n) than this
     max_batch_size: int = attrs.field(default=64, validator=_positive)
@@ -87,6 +95,17 @@ class InferenceConfig:
     kv_store: str = "memory"
     # where the engine runs: "auto" is CUDA when torch sees a GPU, else the CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # the key every request must carry (Authorization: Bearer KEY); needed to bind a host
+    # other than loopback. PRIMERL_API_KEY in the environment keeps it out of config.toml.
+    api_key: str | None = None
+    # sequences that may wait for the engine; beyond it requests get 503 (Retry-After)
+    max_queue: int = attrs.field(default=4096, validator=_positive)
+
+    def resolved_api_key(self) -> str | None:
+        """``api_key``, else the ``PRIMERL_API_KEY`` environment variable, else None."""
+        import os
+
+        return self.api_key or os.environ.get("PRIMERL_API_KEY") or None
 
     def resolved_device(self) -> str:
         """``device``, with ``auto`` resolved (a backend's Config may resolve it its own way)."""
@@ -281,8 +300,11 @@ class SftConfig:
 
 @attrs.define(kw_only=True)
 class LauncherConfig:
+    """The ``[launcher]`` section; a launcher declaring a ``Config`` (a subclass) adds its keys."""
+
     # the launcher plugin (register_launchers) that starts inference, orchestrator and
-    # trainer: "local" runs them all on this machine
+    # trainer: "local" runs them all on this machine, "slurm" submits them as a Slurm job
+    # (its own keys: docs/slurm.md); `primerl run --launcher NAME` sets it
     name: str = "local"
 
 
@@ -323,6 +345,11 @@ class RunConfig:
         if not 0 < o.top_p <= 1:
             raise ConfigError(f"orchestrator.top_p must be in (0, 1], got {o.top_p}")
         self.trainer.parallel.resolved(self.trainer_world_size())
+        if not _is_loopback(self.inference.host) and not self.inference.resolved_api_key():
+            raise ConfigError(
+                f"inference.host = {self.inference.host!r} ({_src(sources, 'inference.host')}) exposes the inference "
+                f"server (its admin endpoints too) beyond this machine, so it needs an API key: set PRIMERL_API_KEY "
+                f"in the environment (or --inference.api_key), or bind 127.0.0.1")
 
     def trainer_world_size(self) -> int:
         """The trainer's ranks: its nodes (one with the local launcher) x ``trainer.nproc``."""
@@ -334,6 +361,17 @@ class RunConfig:
 # --------------------------------------------------------------------------------------
 
 CLI = "the command line"
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _src(sources: Mapping[str, str], path: str) -> str:
@@ -584,6 +622,9 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
             raise ConfigError(f"'{section}' must be a table ({_src(sources, section)})")
         default = attrs.fields_dict(RunConfig)[section].default.factory().name
         name = table.get("name", default)
+        if not isinstance(name, str):
+            raise ConfigError(f"{section}.name = {name!r} ({_src(sources, section + '.name')}) must be a string: "
+                              f"the name of an installed {kind} plugin (primerl plugins list)")
         try:
             target = reg.load(kind, name)
         except PluginError as exc:
@@ -611,11 +652,13 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
         for path, origin in default_sources.items():
             sources.setdefault(path, origin)
     inference_cls = _inference_config_class(raw, sources, reg)
-    top = {k: v for k, v in raw.items() if k not in plugin_sections and k != "inference"}
+    launcher_cls = _plugin_config_class(raw, sources, reg, "launcher.name", "launcher", LauncherConfig)
+    top = {k: v for k, v in raw.items() if k not in plugin_sections and k not in ("inference", "launcher")}
     cfg = structure(RunConfig, top, "", sources)
     for section, cls in plugin_classes.items():
         setattr(cfg, section, structure(cls, raw.get(section, {}), section, sources))
     cfg.inference = structure(inference_cls, raw.get("inference", {}), "inference", sources)
+    cfg.launcher = structure(launcher_cls, raw.get("launcher", {}), "launcher", sources)
     cfg.check(sources)
     _check_components(cfg, reg, sources)
     cfg.inference.check(cfg, sources)  # the backend's rules that need the whole run
@@ -626,23 +669,31 @@ def _inference_config_class(raw: Mapping[str, Any], sources: Mapping[str, str], 
     """The class that validates ``[inference]``: the selected backend's ``Config`` (a subclass
     of InferenceConfig adding its own keys, and optionally ``check(run, sources)`` for rules
     that span sections), else InferenceConfig."""
-    table = raw.get("inference", {})
+    return _plugin_config_class(raw, sources, reg, "inference.backend", "inference_backend", InferenceConfig)
+
+
+def _plugin_config_class(raw: Mapping[str, Any], sources: Mapping[str, str], reg: Any, key: str, kind: str,
+                         base: type) -> type:
+    """The class that validates the section of ``key`` (``section.field`` naming a plugin of
+    ``kind``): that plugin's ``Config`` attribute, a subclass of ``base``, else ``base``."""
+    section, _, field = key.partition(".")
+    table = raw.get(section, {})
     if not isinstance(table, Mapping):
-        raise ConfigError(f"'inference' must be a table ({_src(sources, 'inference')})")
-    name = table.get("backend", InferenceConfig().backend)
+        raise ConfigError(f"'{section}' must be a table ({_src(sources, section)})")
+    name = table.get(field, getattr(base(), field))
     if not isinstance(name, str):
-        return InferenceConfig  # structure() names the wrong type
+        return base  # structure() names the wrong type
     try:
-        target = reg.load("inference_backend", name)
+        target = reg.load(kind, name)
     except PluginError as exc:
-        raise ConfigError(f"inference.backend = {name!r} ({_src(sources, 'inference.backend')}): {exc}") from None
+        raise ConfigError(f"{key} = {name!r} ({_src(sources, key)}): {exc}") from None
     cls = getattr(target, "Config", None)
     if cls is None:
-        return InferenceConfig
-    if not (isinstance(cls, type) and issubclass(cls, InferenceConfig)):
+        return base
+    if not (isinstance(cls, type) and issubclass(cls, base)):
         raise ConfigError(
-            f"inference_backend plugin '{name}' declares Config={cls!r}, which is not a subclass of "
-            f"primerl's InferenceConfig; fix the plugin"
+            f"{kind} plugin '{name}' declares Config={cls!r}, which is not a subclass of "
+            f"primerl's {base.__name__}; fix the plugin"
         )
     return cls
 

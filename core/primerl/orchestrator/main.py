@@ -20,7 +20,10 @@ the env's eval split, logged with the next batch; and failed groups are counted
 (``errors/task``, ``errors/rollout``) until ``max_failed_groups`` in a row say the env
 cannot run its tasks, which stops the run with the cause.
 
-Requests reach the inference servers through the router plugin (``inference.router``);
+Requests reach the inference servers (``inference.replicas`` of them) through the router
+plugin (``inference.router``) and :class:`~primerl.orchestrator.client.InferenceClient`,
+which ejects a dead server, re-sends its requests to another and readmits it with the
+current weights (``inference/resent``, ``inference/servers_up`` in each batch's metrics);
 samples leave as :class:`~primerl.samples.Sample` records, paths come from
 :class:`~primerl.rundir.RunDir`.
 
@@ -42,7 +45,6 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -53,17 +55,9 @@ from primerl.envs.agent import AgentEnv, Endpoint, interleave
 from primerl.envs.multiturn import MultiTurnConfig, MultiTurnEnv, prompt_ids, turn_suffix
 from primerl.envs.workers import EnvWorkers
 from primerl.errors import PrimerlError
-from primerl.inference import (
-    ADMIN_WEIGHTS,
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    HEALTH,
-    ChatCompletionResponse,
-    CompletionResponse,
-    RoutedExperts,
-)
+from primerl.inference import RoutedExperts
+from primerl.orchestrator.client import InferenceClient
 from primerl.registry import get_registry
-from primerl.routers import Route, Router
 from primerl.rundir import RunDir
 from primerl.samples import NO_VERSION, RolloutBatch, Sample, decode_routed_experts, write_batch
 
@@ -139,75 +133,6 @@ class Failures:
         out = {"errors/task": self.task_errors, "errors/rollout": self.rollout_errors}
         self.task_errors = self.rollout_errors = 0
         return out
-
-
-class InferenceClient:
-    """The OpenAI-compatible API plus primerl's admin endpoints, over one or more servers.
-
-    Requests go where the router plugin says (``inference.router``); admin calls that
-    every server must see (weight updates) go to each server directly.
-    """
-
-    def __init__(self, servers: list[str], router: Router, timeout: float = 600.0):
-        import httpx
-
-        self.servers = servers
-        self.router = router
-        self.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024))
-
-    async def wait_ready(self, deadline_s: float = 600.0) -> None:
-        import httpx
-
-        t0 = time.monotonic()
-        for url in self.servers:
-            while True:
-                try:
-                    if (await self.http.get(url + HEALTH, timeout=2)).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() - t0 > deadline_s:
-                    raise RuntimeError(f"inference server {url} not ready after {deadline_s:.0f}s")
-                await asyncio.sleep(0.2)
-        self.router.start(self.servers)
-
-    def base_url(self, session: str) -> str:
-        """Where a session's requests go when the env sends them itself (an agent env's group)."""
-        return self.router.route(Route(path="/v1", session=session))
-
-    async def chat(self, body: dict[str, Any], session: str | None = None) -> ChatCompletionResponse:
-        return await self._post(CHAT_COMPLETIONS, body, session)
-
-    async def completions(self, body: dict[str, Any], session: str | None = None) -> CompletionResponse:
-        return await self._post(COMPLETIONS, body, session)
-
-    async def _post(self, path: str, body: dict[str, Any], session: str | None) -> dict[str, Any]:
-        import httpx
-
-        prompt = body.get("prompt")
-        route = Route(path=path, session=session, prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
-        url = self.router.route(route)
-        t0, ok = time.monotonic(), False
-        try:
-            r = await self.http.post(url + path, json=body)
-            ok = r.status_code == 200
-        except httpx.HTTPError as exc:
-            raise RuntimeError(f"inference request to {url} failed: {type(exc).__name__}: {exc}") from None
-        finally:
-            self.router.finished(route, url, ok=ok, seconds=time.monotonic() - t0)
-        if not ok:
-            raise RuntimeError(f"inference request failed ({r.status_code}): {r.text[:500]}")
-        return r.json()
-
-    async def load_weights(self, path: Path, version: int) -> None:
-        for url in self.servers:
-            r = await self.http.post(url + ADMIN_WEIGHTS, json={"path": str(path), "version": version})
-            if r.status_code != 200:
-                raise RuntimeError(f"{url} could not load weights {path}: {r.text[:500]}")
-
-    async def close(self) -> None:
-        self.router.close()
-        await self.http.aclose()
 
 
 class Orchestrator:
@@ -297,7 +222,8 @@ class Orchestrator:
                 await self.client.load_weights(self.run_dir.weights_source(newest), newest)
                 self.version = newest
                 self.version_changed.set()
-                log(f"inference now serves policy v{newest}")
+                up, total = len(self.client.servers_up()), len(self.client.servers)
+                log(f"inference now serves policy v{newest}" + (f" ({up} of {total} servers up)" if up < total else ""))
             await asyncio.sleep(0.05)
 
     # ---- rollouts -------------------------------------------------------------------------
@@ -408,14 +334,30 @@ class Orchestrator:
             group.tokens += sample.sampled_tokens
 
     async def agent_rollout(self, group: Group) -> None:
-        """The env runs the group in a worker; every episode's calls become samples."""
+        """The env runs the group in a worker; every episode's calls become samples.
+
+        The worker calls the inference server itself, so a server lost during the group
+        cannot be re-sent call by call: the whole group runs again on another server
+        (counted in ``inference/resent``) and the lost attempt's episodes are discarded."""
         o = self.o
-        endpoint = Endpoint(
-            base_url=self.client.base_url(group.session) + "/v1", model=self.cfg.model.name, max_tokens=o.max_tokens,
-            temperature=group.temperature, top_p=o.top_p, max_model_len=self.cfg.inference.max_model_len,
-            return_routed_experts=self.want_routed)
         timeout = getattr(self.cfg.env, "episode_timeout_s", None)  # an agent env's Config may have none
-        episodes = await self.workers.call("run_group", group.task, endpoint, group.size, timeout=timeout)
+        while True:
+            url, token = await self.client.endpoint(group.session)
+            endpoint = Endpoint(
+                base_url=url + "/v1", model=self.cfg.model.name, max_tokens=o.max_tokens,
+                temperature=group.temperature, top_p=o.top_p, max_model_len=self.cfg.inference.max_model_len,
+                return_routed_experts=self.want_routed)
+            try:
+                episodes = await self.workers.call("run_group", group.task, endpoint, group.size, timeout=timeout)
+            except Exception:
+                if await self.client.lost_since(url, token):
+                    self.client.count_resent()
+                    continue
+                raise
+            if any(ep.error for ep in episodes) and await self.client.lost_since(url, token):
+                self.client.count_resent()
+                continue
+            break
         for i, ep in enumerate(episodes):
             if ep.error:
                 log(f"episode of task {group.task.id} ended early: {ep.error}")
@@ -518,6 +460,7 @@ class Orchestrator:
                 "off_policy/mean": sum(staleness) / len(staleness),
                 "dropped_stale": dropped,
                 **self.failures.take_metrics(),
+                **(self.client.take_metrics() if self.client is not None else {}),
                 "inference/policy_version": self.version,
                 "throughput/tokens_per_s": self.tokens_since_batch / max(now - last, 1e-9),
                 "orchestrator/batch_seconds": now - last,
@@ -576,13 +519,20 @@ class Orchestrator:
 
 
 def inference_urls(cfg: RunConfig) -> list[str]:
-    return [f"http://{cfg.inference.host}:{cfg.inference.port}"]
+    """The inference servers' base URLs: ``inference.urls`` when set (the local launcher
+    writes the ports it picked there), else replica i on ``inference.host:inference.port + i``."""
+    inf = cfg.inference
+    if inf.urls:
+        return [u.rstrip("/") for u in inf.urls]
+    return [f"http://{inf.host}:{inf.port + i}" for i in range(inf.replicas)]
 
 
 def main(cfg: RunConfig) -> None:
     registry = get_registry()
     env = registry.load("env", cfg.env.name)(cfg.env)
-    client = InferenceClient(inference_urls(cfg), registry.load("router", cfg.inference.router)())
+    resolved_key = getattr(cfg.inference, "resolved_api_key", None)  # servers that require a key
+    client = InferenceClient(inference_urls(cfg), registry.load("router", cfg.inference.router)(),
+                             api_key=resolved_key() if resolved_key else None)
 
     async def go() -> None:
         try:

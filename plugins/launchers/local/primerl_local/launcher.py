@@ -1,4 +1,4 @@
-"""The local launcher: one machine, three processes, a live view, a clean exit.
+"""The local launcher: one machine, three kinds of process, a live view, a clean exit.
 
 ``primerl run`` resolves the config, writes it to ``OUTPUT_DIR/config.toml`` and hands
 it here. We start ``primerl inference``, ``primerl orchestrator`` and ``primerl trainer``
@@ -6,14 +6,23 @@ as separate processes (each reads that file), send each one's output to
 ``OUTPUT_DIR/logs/<name>.log``, and follow ``OUTPUT_DIR/metrics.jsonl`` to draw a live
 view. The run ends when the trainer finishes its last step.
 
+Replicas: ``inference.replicas`` N > 1 starts N inference servers, ``inference-<i>``
+(logs ``logs/inference-<i>.log``), each ``primerl inference @ config.toml
+--inference.port P`` on its own port: ``inference.port + i`` when free, else a free one.
+The ports picked are written into the config as ``inference.urls``, which is where the
+orchestrator and the trainer find the servers. The orchestrator survives a server that
+dies (its requests are re-sent to the others), so one inference process exiting is shown
+and the run goes on; only when every one has exited (or the only one, with N = 1) does the
+launcher stop the run.
+
 No orphans, whatever happens: each child runs in its own process group (so its own
 children go with it) and asks the kernel to SIGTERM it if the launcher dies. On Ctrl-C,
 SIGTERM or a crashing child we stop all children — SIGTERM, then SIGKILL after a grace
 period — and say why.
 
-CPU threads: the three processes share the machine, so each child gets an even share
-of the cores (``OMP_NUM_THREADS``); oversubscribed OpenMP threads spin and can make
-torch tens of times slower.
+CPU threads: the processes share the machine, so each child gets a share of the cores
+(``OMP_NUM_THREADS``), which the trainer's ranks and the inference replicas split among
+themselves; oversubscribed OpenMP threads spin and can make torch tens of times slower.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
 from primerl.rundir import RunDir
 
-CHILDREN = ("inference", "orchestrator", "trainer")
+CHILDREN = ("inference", "orchestrator", "trainer")  # kinds of child; inference may be N replicas
 GRACE_SECONDS = 10.0
 
 
@@ -46,14 +55,35 @@ def _port_free(host: str, port: int) -> bool:
         try:
             s.bind((host, port))
             return True
-        except OSError:
+        except (OSError, OverflowError):
             return False
 
 
-def child_command(name: str, cfg: RunConfig, run_dir: RunDir) -> list[str]:
-    """``primerl <name> @ config.toml``; a trainer of ``trainer.nproc`` > 1 ranks under
-    torchrun (standalone: one node, its own rendezvous on a free port)."""
+def inference_names(cfg: RunConfig) -> list[str]:
+    """The inference children's names (and log names): ``inference``, or ``inference-<i>``
+    for each of ``inference.replicas`` > 1."""
+    n = cfg.inference.replicas
+    return ["inference"] if n == 1 else [f"inference-{i}" for i in range(n)]
+
+
+def pick_ports(host: str, first: int, n: int) -> list[int]:
+    """``n`` distinct free ports: ``first + i`` where free (``first`` 0: any), else a free one."""
+    ports: list[int] = []
+    for i in range(n):
+        port = first + i if first else 0
+        while port == 0 or port in ports or not _port_free(host, port):
+            port = _free_port(host)
+        ports.append(port)
+    return ports
+
+
+def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None = None) -> list[str]:
+    """``primerl <name> @ config.toml`` (an inference replica: ``--inference.port port`` after
+    it); a trainer of ``trainer.nproc`` > 1 ranks under torchrun (standalone: one node, its
+    own rendezvous on a free port)."""
     cmd = ["-m", "primerl.cli", name, "@", str(run_dir.config)]
+    if port is not None:
+        cmd += ["--inference.port", str(port)]
     if name == "trainer" and cfg.trainer.nproc > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={cfg.trainer.nproc}", *cmd]
@@ -61,10 +91,11 @@ def child_command(name: str, cfg: RunConfig, run_dir: RunDir) -> list[str]:
 
 
 def child_env(name: str, cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
-    """The trainer's ranks share its share of the cores."""
-    if name != "trainer" or cfg.trainer.nproc == 1:
+    """The trainer's ranks share its share of the cores; so do the inference replicas."""
+    split = {"trainer": cfg.trainer.nproc, "inference": cfg.inference.replicas}.get(name, 1)
+    if split == 1:
         return env
-    threads = str(max(1, int(env["OMP_NUM_THREADS"]) // cfg.trainer.nproc))
+    threads = str(max(1, int(env["OMP_NUM_THREADS"]) // split))
     return {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 
@@ -88,8 +119,13 @@ class LocalLauncher:
         run_dir.logs.mkdir(parents=True, exist_ok=True)
         if run_dir.metrics.exists() and not done:  # keep an earlier run's metrics beside the new ones
             run_dir.metrics.rename(run_dir.metrics.with_name(f"metrics.{int(time.time())}.jsonl"))
-        if cfg.inference.port == 0 or not _port_free(cfg.inference.host, cfg.inference.port):
-            cfg.inference.port = _free_port(cfg.inference.host)
+        names = inference_names(cfg)
+        if len(names) > 1 and getattr(cfg.inference, "vllm_port", 0):
+            raise PrimerlError(f"inference.vllm_port ({cfg.inference.vllm_port}) fixes vLLM's own port, which "
+                               f"{len(names)} inference replicas cannot share: leave it 0 (a free port each)")
+        ports = pick_ports(cfg.inference.host, cfg.inference.port, len(names))
+        cfg.inference.port = ports[0]
+        cfg.inference.urls = [f"http://{cfg.inference.host}:{p}" for p in ports]
         cfg.output_dir = str(out)
         run_dir.config.write_text(dump_toml(to_dict(cfg)))
 
@@ -105,24 +141,40 @@ class LocalLauncher:
 
         view = LiveView(cfg, run_dir)
         try:
-            for name in CHILDREN:
+            children = [(name, "inference", port) for name, port in zip(names, ports)]
+            children += [(kind, kind, None) for kind in CHILDREN if kind != "inference"]
+            for name, kind, port in children:
                 log = open(run_dir.log(name), "w")  # noqa: SIM115 - the child keeps it as its stdout
                 procs[name] = subprocess.Popen(
-                    child_command(name, cfg, run_dir), stdout=log, stderr=subprocess.STDOUT,
-                    env=child_env(name, cfg, env), preexec_fn=own_group_and_die_with_parent, cwd=os.getcwd(),
+                    child_command(kind, cfg, run_dir, port), stdout=log, stderr=subprocess.STDOUT,
+                    env=child_env(kind, cfg, env), preexec_fn=own_group_and_die_with_parent, cwd=os.getcwd(),
                 )
+            gone: list[str] = []  # inference replicas that exited, in the order seen
             with view:
                 while True:
                     view.refresh()
                     if procs["trainer"].poll() == 0:
                         break
-                    failed = [(n, p.returncode) for n, p in procs.items() if p.poll() not in (None, 0)]
-                    early = [n for n, p in procs.items() if p.poll() == 0 and n == "inference"]
-                    if failed or early:
-                        name, rc = failed[0] if failed else (early[0], 0)
+                    for name in names:
+                        if name not in gone and procs[name].poll() is not None:
+                            gone.append(name)
+                            if len(gone) < len(names):
+                                view.note(f"warning: the {name} process exited with code {procs[name].returncode}; "
+                                          f"{len(names) - len(gone)} of {len(names)} inference servers left, the "
+                                          f"run goes on (log: {run_dir.log(name)})")
+                    failed = [(n, p.returncode) for n, p in procs.items()
+                              if n not in names and p.poll() not in (None, 0)]
+                    if len(gone) == len(names) or failed:
+                        if len(gone) == len(names):  # no server left (the only one, with one replica)
+                            name, rc = gone[-1], procs[gone[-1]].returncode
+                            what = f"the {name} process exited with code {rc}" if len(names) == 1 else (
+                                f"every inference process exited (the last, {name}, with code {rc})")
+                        else:
+                            name, rc = failed[0]
+                            what = f"the {name} process exited with code {rc}"
                         view.stop()
                         self._stop_all(procs)
-                        print(f"\nerror: the {name} process exited with code {rc}; stopped the others.", file=sys.stderr)
+                        print(f"\nerror: {what}; stopped the others.", file=sys.stderr)
                         print(_tail(run_dir.log(name)), file=sys.stderr)
                         print(f"Full log: {run_dir.log(name)}", file=sys.stderr)
                         return 1

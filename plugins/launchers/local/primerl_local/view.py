@@ -53,6 +53,10 @@ class LiveView:
         if self.live and self.live.is_started:
             self.live.stop()
 
+    def note(self, message: str) -> None:
+        """One line above the live table (or among the plain lines): an event of the run."""
+        self.console.print(message, style="yellow", highlight=False, markup=False)
+
     def refresh(self) -> None:
         rows = read_metrics(self.run_dir.metrics)
         if self.live:
