@@ -40,7 +40,9 @@ def test_kv_stores_map_to_vllm_connectors(tmp_path):
     mooncake = _run(kv_store="mooncake")
     cmd = vllm_command(mooncake, tmp_path, 1234)
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector"] == "MooncakeStoreConnector"
-    settings = json.loads(open(vllm_env(mooncake)["MOONCAKE_CONFIG_PATH"]).read())
+    from pathlib import Path
+
+    settings = json.loads(Path(vllm_env(mooncake)["MOONCAKE_CONFIG_PATH"]).read_text())
     assert settings["master_server_address"] and settings["protocol"] in ("tcp", "rdma")
 
     assert "--kv-transfer-config" not in vllm_command(_run(), tmp_path, 1234)  # memory: vLLM's prefix cache
