@@ -255,16 +255,22 @@ def run(
     env: str | None = typer.Option(None, "--env", help="Environment plugin (e.g. reverse-text)."),
     output_dir: str | None = typer.Option(None, "--output-dir", help="Where everything the run makes goes."),
     max_steps: int | None = typer.Option(None, "--max-steps", help="Number of RL steps."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+    launcher_name: str | None = typer.Option(None, "--launcher", help="Launcher plugin (local, slurm)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help=(
+        "Print the resolved config and exit; a launcher with a dry_run key (slurm) writes its "
+        "job scripts instead and submits nothing.")),
 ) -> None:
     """Run RL end to end: inference, orchestrator and trainer as separate processes."""
     from primerl.config import dump_toml, to_dict
     from primerl.registry import get_registry
 
-    cfg = _resolve(ctx, {"model.name": model, "env.name": env, "output_dir": output_dir, "max_steps": max_steps})
-    if dry_run:
+    cfg = _resolve(ctx, {"model.name": model, "env.name": env, "output_dir": output_dir, "max_steps": max_steps,
+                         "launcher.name": launcher_name})
+    if dry_run and not hasattr(cfg.launcher, "dry_run"):
         typer.echo(dump_toml(to_dict(cfg)), nl=False)
         return
+    if dry_run:
+        cfg.launcher.dry_run = True
     launcher = get_registry().load("launcher", cfg.launcher.name)
     raise typer.Exit(launcher().launch(cfg) or 0)
 

@@ -1,0 +1,1 @@
+"""The Slurm launcher for primerl: a run as one Slurm job (docs/slurm.md)."""

@@ -1,0 +1,9 @@
+"""Entry point module: registers the slurm launcher lazily."""
+
+from primerl import hookimpl
+
+
+@hookimpl
+def register_launchers(register):
+    register("slurm", "primerl_slurm.launcher:SlurmLauncher",
+             description="A run as one Slurm job: inference, trainer and orchestrator nodes, followed live")

@@ -1,0 +1,319 @@
+"""The slurm launcher: the job scripts it writes (everywhere), and whole runs through a real
+one-node Slurm (munged, slurmctld and slurmd started here as root; skipped, saying why,
+where Slurm or munge is not installed). Nothing of Slurm is mocked."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+
+from primerl.config import InferenceConfig, dump_toml, read_toml
+
+SMALL = ["--sft.steps", "0", "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
+         "--orchestrator.max_tokens", "8", "--trainer.seq_len", "256"]
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "glm5-swe" / "config.toml"
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scancel", "scontrol", "srun")
+
+
+def primerl(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "primerl.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------
+# the scripts (no Slurm needed)
+# --------------------------------------------------------------------------------------
+
+
+def test_dry_run_writes_job_scripts_bash_accepts(tmp_path):
+    out = tmp_path / "run"
+    r = primerl("run", "--model", "glm5", "--env", "swe", "--launcher", "slurm", "--launcher.nodes", "28",
+                "--dry-run", "--output-dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "nothing submitted" in r.stdout
+    scripts = sorted((out / "slurm").iterdir())
+    names = {p.name for p in scripts}
+    assert {"primerl.sbatch", "inference.sh", "orchestrator.sh", "trainer.sh"} <= names
+    for p in scripts:
+        check = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True)
+        assert check.returncode == 0, f"{p}: {check.stderr}"
+    batch = (out / "slurm" / "primerl.sbatch").read_text()
+    assert "#SBATCH --nodes=28" in batch
+    # default split: 14 inference nodes (one server each), 14 trainer nodes under a c10d rendezvous
+    assert 'INFERENCE_HOSTS=("${HOSTS[@]:0:14}")' in batch and 'TRAINER_HOSTS=("${HOSTS[@]:14:14}")' in batch
+    trainer = (out / "slurm" / "trainer.sh").read_text()
+    assert "--nnodes=14" in trainer and "--rdzv-backend=c10d" in trainer
+    config = (out / "config.toml").read_text()
+    assert 'name = "slurm"' in config and "trainer_nodes = 14" in config and "dry_run = false" in config
+    assert not list(out.glob("slurm/job-*"))  # nothing was submitted
+
+
+def test_glm5_swe_example_resolves_to_its_layout(tmp_path):
+    """The example's layout, checked here: vLLM is not installed in this environment and its
+    backend's checks want CUDA on the submitting machine, so the run is resolved with the
+    embedded backend's keys (every vLLM-only key of [inference] dropped); everything the
+    launcher reads is the example's own."""
+    example = read_toml(EXAMPLE)
+    shared = attrs.fields_dict(InferenceConfig)
+    example["inference"] = {k: v for k, v in example["inference"].items() if k in shared} | {"backend": "embedded"}
+    example["trainer"]["weight_channel"] = "filesystem"
+    cfg = tmp_path / "glm5-swe.toml"
+    cfg.write_text(dump_toml(example))
+    out = tmp_path / "run"
+    r = primerl("run", "@", str(cfg), "--dry-run", "--output-dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "28 nodes: 12 inference (12 server(s), 1 a node), 16 trainer (16 x 8 = 128 ranks)" in r.stdout
+    batch = (out / "slurm" / "primerl.sbatch").read_text()
+    assert "#SBATCH --nodes=28" in batch and "#SBATCH --gpus-per-node=8" in batch
+    assert "#SBATCH --time=7-00:00:00" in batch and "#SBATCH --job-name=glm5-swe" in batch
+    trainer = (out / "slurm" / "trainer.sh").read_text()
+    assert "--nnodes=16" in trainer and "--nproc-per-node=8" in trainer
+    for p in (out / "slurm").iterdir():
+        assert subprocess.run(["bash", "-n", str(p)]).returncode == 0, p
+    # and the trainer's layout fits an H200, as `primerl plan` counts it
+    par = example["trainer"]["parallel"]
+    plan = primerl("plan", "--model", "glm5", "--preset", "full", "--nodes", "16", "--gpus-per-node", "8",
+                   "--seq-len", str(example["trainer"]["seq_len"]), "--fp8", "--dp-replicate", str(par["dp_replicate"]),
+                   "--dp-shard", str(par["dp_shard"]), "--cp", str(par["cp"]), "--ep", str(par["ep"]), "--json")
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["fits"]
+
+
+def test_layout_errors_name_the_keys(tmp_path):
+    r = primerl("run", "--launcher", "slurm", "--launcher.nodes", "4", "--launcher.trainer_nodes", "4", "--dry-run",
+                "--output-dir", str(tmp_path / "a"))
+    assert r.returncode == 2 and "launcher.inference_nodes" in r.stderr and "launcher.nodes (4)" in r.stderr
+    r = primerl("run", "--launcher", "slurm", "--launcher.nodes", "3", "--inference.replicas", "3",
+                "--launcher.inference_nodes", "2", "--dry-run", "--output-dir", str(tmp_path / "b"))
+    assert r.returncode == 2 and "inference.replicas (3) must be a multiple of launcher.inference_nodes (2)" in r.stderr
+    # the local launcher keeps its one key
+    r = primerl("run", "--launcher.nodes", "2", "--dry-run")
+    assert r.returncode == 2 and "unknown key 'launcher.nodes'" in r.stderr
+
+
+def test_dry_run_places_prefill_decode_servers_and_the_mooncake_master(tmp_path):
+    out = tmp_path / "run"
+    r = primerl("run", "--launcher", "slurm", "--launcher.nodes", "3", "--launcher.inference_nodes", "2",
+                "--inference.prefill_replicas", "2", "--inference.decode_replicas", "2",
+                "--inference.kv_store", "mooncake", "--dry-run", "--output-dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    batch = (out / "slurm" / "primerl.sbatch").read_text()
+    assert "PRIMERL_SERVER_ROLES='prefill prefill decode decode'" in batch
+    assert 'prefill_urls = [$(join "${URLS[@]:0:2}")]' in batch and 'decode_urls = [$(join "${URLS[@]:2}")]' in batch
+    # the master starts first and the servers are launched once it serves
+    assert batch.index("launch mooncake") < batch.index("launch inference")
+    assert "--rpc-port 50051" in (out / "slurm" / "mooncake.sh").read_text()
+    assert '--inference.role "${roles[$SLURM_PROCID]}"' in (out / "slurm" / "inference.sh").read_text()
+    for p in (out / "slurm").iterdir():
+        assert subprocess.run(["bash", "-n", str(p)]).returncode == 0, p
+
+
+# --------------------------------------------------------------------------------------
+# a real one-node Slurm
+# --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tails(root: Path) -> str:
+    return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+                     for p in sorted(root.glob("*.log")))
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A one-node Slurm cluster of its own (temp dir, free ports, its own munge key and
+    socket): yields the environment its client commands need; at the end cancels what is
+    left and stops the daemons it started."""
+    missing = [d for d in DAEMONS if shutil.which(d) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge")
+    if os.geteuid() != 0:
+        pytest.skip("a one-node Slurm with SlurmUser=root needs root")
+    root = tmp_path_factory.mktemp("slurm")
+    root.chmod(0o755)  # munged wants its socket's directory reachable
+    key = root / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    host = socket.gethostname().split(".")[0]
+    probe = subprocess.run(["slurmd", "-C"], capture_output=True, text=True)
+    node = next((ln for ln in probe.stdout.splitlines() if ln.startswith("NodeName=")), "")
+    cpus = re.search(r"\bCPUs=(\d+)", node)
+    memory = re.search(r"\bRealMemory=(\d+)", node)
+    if not cpus:
+        pytest.fail(f"slurmd -C did not describe this node: {probe.stdout}{probe.stderr}")
+    hw = " ".join(re.findall(r"\b(?:CPUs|Boards|SocketsPerBoard|CoresPerSocket|ThreadsPerCore)=\d+", node))
+    (root / "spool" / "ctld").mkdir(parents=True)
+    (root / "spool" / "d").mkdir(parents=True)
+    conf = root / "slurm.conf"
+    conf.write_text(f"""\
+ClusterName=primerltest
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge.socket
+CredType=cred/munge
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+StateSaveLocation={root}/spool/ctld
+SlurmdSpoolDir={root}/spool/d
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+MpiDefault=none
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+NodeName={host} NodeAddr=127.0.0.1 {hw} RealMemory={int(memory.group(1)) if memory else 1000} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+""")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    procs: list[subprocess.Popen] = []
+
+    def start(*cmd: str, log: str) -> None:
+        procs.append(subprocess.Popen(list(cmd), env=env, stdout=open(root / log, "w"),  # noqa: SIM115
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+
+    try:
+        start("munged", "-F", "-f", f"--socket={root}/munge.socket", f"--key-file={key}",
+              f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed",
+              log="munged.out.log")
+        for _ in range(50):
+            if (root / "munge.socket").exists():
+                break
+            time.sleep(0.1)
+        start("slurmctld", "-D", "-f", str(conf), log="slurmctld.out.log")
+        start("slurmd", "-D", "-f", str(conf), log="slurmd.out.log")
+        deadline = time.time() + 60
+        state = ""
+        while time.time() < deadline:
+            r = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
+            state = r.stdout.strip()
+            if state == "idle":
+                break
+            if any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.5)
+        if state != "idle":
+            pytest.fail(f"the one-node Slurm did not come up (sinfo: {state!r}):\n{_tails(root)}")
+        yield {"SLURM_CONF": str(conf)}
+    finally:
+        jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
+        if jobs:
+            subprocess.run(["scancel", *jobs], env=env, capture_output=True)
+            for _ in range(60):
+                if not subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip():
+                    break
+                time.sleep(0.5)
+        for p in reversed(procs):  # slurmd, slurmctld, munged: each one we started, by its pid
+            p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _job_id(stdout: str) -> str:
+    m = re.search(r"submitted Slurm job (\d+)", stdout)
+    assert m, stdout
+    return m.group(1)
+
+
+def _queue(env: dict, job: str) -> str:
+    """The job's line in the default squeue (pending, running, completing): empty once it is gone."""
+    return subprocess.run(["squeue", "-h", "-j", job], env={**os.environ, **env}, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _processes_of(out: Path) -> list[str]:
+    """Live processes whose command line names the run directory (the job's roles do)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if str(out) in cmd and state != "Z":
+                found.append(f"{entry.name}: {cmd}")
+    return found
+
+
+@pytest.mark.slow
+def test_one_node_run_completes_through_sbatch(slurm, tmp_path):
+    out = tmp_path / "run"
+    r = primerl("run", "--model", "glm5", "--env", "reverse-text", "--launcher", "slurm", "--launcher.nodes", "1",
+                "--max-steps", "3", "--output-dir", str(out), *SMALL, env=slurm, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = _job_id(r.stdout)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert "reward curve" in r.stdout and f"Slurm job {job}: COMPLETED" in r.stdout
+    status = (out / "slurm" / f"job-{job}.status").read_text()
+    assert "rc=0" in status and "role=trainer" in status
+    assert _queue(slurm, job) == ""
+    assert (out / "logs" / f"slurm-{job}.out").exists()
+    for name in ("inference", "orchestrator", "trainer"):
+        assert (out / "logs" / f"{name}.log").exists(), name
+    time.sleep(1)
+    assert _processes_of(out) == []
+
+
+@pytest.mark.slow
+def test_failing_role_fails_the_run_with_its_cause(slurm, tmp_path):
+    out = tmp_path / "run"
+    r = primerl("run", "--model", "glm5", "--env", "reverse-text", "--launcher", "slurm", "--max-steps", "3",
+                "--output-dir", str(out), *SMALL, "--trainer.loss", "no_such_module:loss", env=slurm, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr  # the trainer's code (a config error) is the job's and the run's
+    assert "the trainer exited with code 2" in r.stderr and "no_such_module" in r.stderr
+    assert "logs/trainer.log" in r.stderr
+    job = _job_id(r.stdout)
+    assert _queue(slurm, job) == ""
+    time.sleep(1)
+    assert _processes_of(out) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_cancels_the_job(slurm, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                             "--launcher", "slurm", "--max-steps", "1000", "--output-dir", str(out), *SMALL],
+                            env={**os.environ, **slurm}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # training under way: every role is running in the job
+        if (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip():
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == 130, stdout + stderr
+    assert "cancelling Slurm job" in stderr
+    assert _queue(slurm, _job_id(stdout)) == ""
+    deadline = time.time() + 30
+    while _processes_of(out) and time.time() < deadline:
+        time.sleep(0.5)
+    assert _processes_of(out) == []
