@@ -1,0 +1,1 @@
+"""The ``sticky`` router plugin (see :mod:`primerl_sticky.router`)."""
