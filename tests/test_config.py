@@ -147,3 +147,12 @@ def test_inference_section_is_validated_by_the_selected_backends_config_class():
 def test_the_nccl_weight_channel_needs_a_backend_that_receives_it():
     with pytest.raises(ConfigError, match="inference.backend 'embedded' cannot receive"):
         load_config(ConfigSources(overrides=[("trainer.weight_channel", "nccl")]))
+
+
+def test_router_options_must_fit_the_routers_constructor():
+    cfg = load_config(ConfigSources(overrides=[("inference.router", "sticky"),
+                                               ("inference.router_options", "{poll_s = 2}")]))
+    assert cfg.inference.router_options == {"poll_s": 2}
+    with pytest.raises(ConfigError, match=r"inference.router_options \(from the command line.*do not fit router "
+                                          r"'sticky': .*'poll'.*takes: .*poll_s"):
+        load_config(ConfigSources(overrides=[("inference.router", "sticky"), ("inference.router_options", "{poll = 2}")]))

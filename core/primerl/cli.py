@@ -259,8 +259,12 @@ def run(
     dry_run: bool = typer.Option(False, "--dry-run", help=(
         "Print the resolved config and exit; a launcher with a dry_run key (slurm) writes its "
         "job scripts instead and submits nothing.")),
+    overwrite: bool = typer.Option(False, "--overwrite", help=(
+        "Start afresh in an output dir that holds a run (else an unfinished run with the same "
+        "config resumes and another config is refused); its files move to OUT/previous-<time>/.")),
 ) -> None:
-    """Run RL end to end: inference, orchestrator and trainer as separate processes."""
+    """Run RL end to end: inference, orchestrator and trainer as separate processes. Run
+    again into the same --output-dir, the same command resumes from the newest checkpoint."""
     from primerl.config import dump_toml, to_dict
     from primerl.registry import get_registry
 
@@ -271,6 +275,11 @@ def run(
         return
     if dry_run:
         cfg.launcher.dry_run = True
+    elif overwrite:
+        from primerl.resume import prepare_run
+
+        for note in prepare_run(cfg, overwrite=True).notes:
+            typer.echo(note)
     launcher = get_registry().load("launcher", cfg.launcher.name)
     raise typer.Exit(launcher().launch(cfg) or 0)
 

@@ -70,6 +70,9 @@ class InferenceConfig:
     backend: str = "embedded"
     # the router plugin in front of the inference servers (the orchestrator talks to one endpoint)
     router: str = "round-robin"
+    # keyword arguments of the router's constructor (docs/routers.md lists each router's),
+    # e.g. [inference.router_options] policy = "consistent_hash"
+    router_options: dict[str, Any] = attrs.field(factory=dict)
     host: str = "127.0.0.1"  # address the inference server listens on and the orchestrator calls
     # the server's HTTP port (OpenAI API + admin); 0, or a port in use, makes the local
     # launcher pick a free one
@@ -81,6 +84,25 @@ class InferenceConfig:
     # the servers' base URLs ("http://host:port") the orchestrator and trainer call; empty:
     # replica i on host:port+i. The local launcher sets it to the ports it picked
     urls: list[str] = attrs.field(factory=list)
+    # prefill/decode disaggregation (docs/kv_stores.md, "Prefill/decode"): this many servers
+    # only prefill prompts and hand their KV, through the KV store, to decode_replicas servers
+    # that sample; the embedded engine needs a KV store every server shares (disk, whose
+    # directory the launcher puts under the run directory, or mooncake). 0 and 0: off; when
+    # set, the two replace replicas
+    prefill_replicas: int = attrs.field(default=0, validator=_non_negative)
+    # with prefill_replicas: the servers that load each prompt's KV from the store and sample
+    decode_replicas: int = attrs.field(default=0, validator=_non_negative)
+    # with prefill/decode: the prefill servers' base URLs (urls then lists every server,
+    # prefill first: weight updates reach them all); empty: prefill server i on host:port+i.
+    # The local launcher sets it
+    prefill_urls: list[str] = attrs.field(factory=list)
+    # with prefill/decode: the decode servers' base URLs; empty: decode server j on
+    # host:port+prefill_replicas+j. The local launcher sets it
+    decode_urls: list[str] = attrs.field(factory=list)
+    # this server's part with prefill/decode, set per server by the launcher: "both" (whole
+    # requests), "prefill" or "decode". The embedded engine serves either phase on request;
+    # vLLM gets the matching KV connector role (kv_producer / kv_consumer)
+    role: Literal["both", "prefill", "decode"] = "both"
     # sequences decoded together (vLLM's --max-num-seqs); the embedded engine also refuses
     # a request for more samples (n) than this
     max_batch_size: int = attrs.field(default=64, validator=_positive)
@@ -106,6 +128,20 @@ class InferenceConfig:
         import os
 
         return self.api_key or os.environ.get("PRIMERL_API_KEY") or None
+
+    def disaggregated(self) -> bool:
+        """Whether prefill and decode run on separate servers (``prefill_replicas`` and
+        ``decode_replicas`` set)."""
+        return self.prefill_replicas > 0 and self.decode_replicas > 0
+
+    def pd_urls(self) -> tuple[list[str], list[str]]:
+        """(prefill servers, decode servers): ``prefill_urls`` / ``decode_urls`` when set, else
+        consecutive ports from ``port``, prefill first."""
+        if self.prefill_urls and self.decode_urls:
+            return [u.rstrip("/") for u in self.prefill_urls], [u.rstrip("/") for u in self.decode_urls]
+        ports = [self.port + i for i in range(self.prefill_replicas + self.decode_replicas)]
+        urls = [f"http://{self.host}:{p}" for p in ports]
+        return urls[: self.prefill_replicas], urls[self.prefill_replicas:]
 
     def resolved_device(self) -> str:
         """``device``, with ``auto`` resolved (a backend's Config may resolve it its own way)."""
@@ -206,9 +242,12 @@ class TrainerConfig:
     # aux-loss-free MoE load balancing: per-step move of the routers' correction bias
     # (DeepSeek-V3 uses 1e-3 in pretraining; 0 leaves a pretrained model's routing alone)
     router_bias_update_rate: float = attrs.field(default=0.0, validator=_non_negative)
-    # steps between resumable checkpoints (weights, optimizer, scheduler, RNG) under
-    # checkpoints/; 0 = only at the end. A rerun into the same output_dir resumes from the newest
-    checkpoint_every: int = attrs.field(default=0, validator=_non_negative)
+    # steps between resumable checkpoints under checkpoints/ (weights, optimizer, scheduler,
+    # RNG, the orchestrator's data position); 0 = only at the end. The same command run again
+    # into the same output_dir resumes from the newest usable one
+    checkpoint_every: int = attrs.field(default=25, validator=_non_negative)
+    # the newest checkpoints kept (older ones are deleted once a new one is complete); 0 = all
+    keep_checkpoints: int = attrs.field(default=3, validator=_non_negative)
     # how weights reach inference: "filesystem" (HF checkpoints in the run directory, any
     # node), "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)
     # or "nccl" (broadcast from the trainer's GPU to vLLM's workers; GPUs and the vllm backend)
@@ -661,6 +700,7 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
     cfg.launcher = structure(launcher_cls, raw.get("launcher", {}), "launcher", sources)
     cfg.check(sources)
     _check_components(cfg, reg, sources)
+    _check_pd(cfg, sources)
     cfg.inference.check(cfg, sources)  # the backend's rules that need the whole run
     return cfg
 
@@ -735,6 +775,68 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
             if kind in ("loss", "advantage") and is_target(name):
                 continue  # a "module:attr" function, imported (and checked) by the process that uses it
             raise ConfigError(f"{key} = {name!r} ({_src(sources, key)}): {exc}") from None
+        if key == "inference.router" and cfg.inference.router_options:
+            from primerl.routers import check_router_options
+
+            why = check_router_options(name, cfg.inference.router_options)
+            if why:
+                where = _first_source_under(sources, "inference.router_options") or "the defaults"
+                raise ConfigError(f"inference.router_options (from {where}) do not fit router {name!r}: {why}")
+
+
+# KV stores that keep every block in their own process: they cannot hand a prompt's KV from
+# a prefill server to a decode server
+PER_PROCESS_KV_STORES = ("memory",)
+
+
+def _check_pd(cfg: RunConfig, sources: Mapping[str, str]) -> None:
+    """Prefill/decode disaggregation's rules: both pools or neither, not mixed with
+    ``replicas``, and a way to hand KV between servers (the embedded engine: a KV store every
+    server shares; vLLM: its P/D connectors, which cannot return routed experts)."""
+    inf = cfg.inference
+    p, d = inf.prefill_replicas, inf.decode_replicas
+    if not p and not d:
+        return
+    if not p or not d:
+        given, missing = ("prefill_replicas", "decode_replicas") if p else ("decode_replicas", "prefill_replicas")
+        raise ConfigError(
+            f"inference.{given} ({getattr(inf, given)}, {_src(sources, 'inference.' + given)}) needs "
+            f"inference.{missing} too: prefill/decode disaggregation runs both pools (set both, or neither "
+            f"for whole-request servers)")
+    if cfg.launcher.name not in ("local", "slurm"):
+        raise ConfigError(
+            f"inference.prefill_replicas / decode_replicas ({p} / {d}): the prefill and decode servers are started by "
+            f"the local and slurm launchers, not launcher.name = {cfg.launcher.name!r} "
+            f"({_src(sources, 'launcher.name')}): use --inference.replicas there")
+    if "inference.replicas" in sources and inf.replicas != 1:
+        raise ConfigError(
+            f"inference.replicas ({inf.replicas}, {_src(sources, 'inference.replicas')}) and "
+            f"inference.prefill_replicas / decode_replicas ({p} / {d}) both say how many servers to start: "
+            f"with prefill/decode the two pools replace replicas; drop inference.replicas")
+    if inf.backend == "vllm":
+        routed = getattr(inf, "routed_experts_on", None)
+        if routed is not None and routed(cfg):
+            raise ConfigError(
+                f"inference.prefill_replicas / decode_replicas ({p} / {d}) with --inference.backend vllm hand KV "
+                "over with vLLM's P/D connectors (NixlConnector, MooncakeConnector), with which vLLM refuses to "
+                "return routed experts, but trainer.router_replay / trainer.routing_metrics (or "
+                "inference.return_routed_experts) need them: set --trainer.routing_metrics false (and "
+                "router_replay false), or use --inference.backend embedded, whose P/D hands routed experts over "
+                "with the KV blocks")
+        if inf.kv_store != "memory":
+            raise ConfigError(
+                f"inference.kv_store = {inf.kv_store!r} ({_src(sources, 'inference.kv_store')}) with prefill/decode "
+                f"on --inference.backend vllm: vLLM hands KV from prefill to decode servers with its P/D connector "
+                f"(inference.kv_transfer_config, default NixlConnector), not a KV store: leave inference.kv_store "
+                f"memory (a MultiConnector in kv_transfer_config combines several connectors)")
+        return
+    if inf.kv_store in PER_PROCESS_KV_STORES:
+        raise ConfigError(
+            f"inference.prefill_replicas / decode_replicas ({p} / {d}) hand each prompt's KV from a prefill server "
+            f"to a decode server through the KV store, but inference.kv_store = {inf.kv_store!r} "
+            f"({_src(sources, 'inference.kv_store')}) keeps KV inside each server's process: use "
+            f"--inference.kv_store disk (files in a directory every server shares: the local launcher puts it "
+            f"under the run directory) or --inference.kv_store mooncake (a Mooncake Store pool)")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -8,7 +8,8 @@ parses step names of its own. docs/architecture.md shows the same layout as a ta
 Every file is written under a temporary name and renamed into place
 (:func:`write_atomically`), so a reader never sees half a file; a directory is complete
 once its marker exists (``STABLE`` for published weights, the trainer state file for a
-checkpoint).
+checkpoint). Which checkpoint a run resumes from, and what of an interrupted attempt is set
+aside into ``previous-<time>/``, is :mod:`primerl.resume`'s business.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from pathlib import Path
 STABLE = "STABLE"  # written last into weights/step_n: the step is complete
 SHM_LINK = "shm.safetensors"  # in weights/step_n when the trainer used the shm channel
 TRAINER_STATE = "trainer_state.pt"  # written into checkpoints/step_n: the checkpoint is complete
+OPTIMIZER_DIR = "optimizer"  # in checkpoints/step_n: the optimizer state, a torch.distributed.checkpoint
+MANIFEST = "manifest.json"  # in checkpoints/step_n: every file's size, checked before a resume
+ORCHESTRATOR_STATE = "orchestrator_state.json"  # in checkpoints/step_n: the data position (primerl.resume)
+PREVIOUS_PREFIX = "previous-"  # OUT/previous-<time>/: what an earlier attempt left, set aside
 _STEP = re.compile(r"step_(\d{6,})$")
 TMP_PREFIX = ".tmp_"
 
@@ -76,6 +81,17 @@ class RunDir:
         """``rollouts/step_n.pt``: the samples of trainer step n (see primerl.samples)."""
         return self.rollouts / f"{step_name(n)}.pt"
 
+    def batch_state(self, n: int) -> Path:
+        """``rollouts/step_n.state.json``: the orchestrator's data position once batch n was
+        written (written just before the batch; the trainer copies it into checkpoint n)."""
+        return self.rollouts / f"{step_name(n)}.state.json"
+
+    def batch_steps(self) -> list[int]:
+        """Every complete ``rollouts/step_n.pt``, oldest first."""
+        if not self.rollouts.is_dir():
+            return []
+        return sorted(n for f in self.rollouts.glob("step_*.pt") if (n := parse_step(f.stem)) is not None)
+
     # ---- weights: trainer -> inference -------------------------------------------------
     @property
     def weights(self) -> Path:
@@ -117,7 +133,8 @@ class RunDir:
         return self.root / "checkpoints"
 
     def checkpoint(self, n: int) -> Path:
-        """``checkpoints/step_n/``: HF weights + ``trainer_state.pt``."""
+        """``checkpoints/step_n/``: HF weights, ``optimizer/``, ``orchestrator_state.json``,
+        ``manifest.json`` and ``trainer_state.pt``."""
         return self.checkpoints / step_name(n)
 
     def checkpoint_steps(self) -> list[int]:
@@ -125,8 +142,14 @@ class RunDir:
         return _steps(self.checkpoints, lambda d: (d / TRAINER_STATE).is_file())
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
+        """The newest complete checkpoint, usable or not (``primerl.resume.usable_checkpoint``
+        checks its files)."""
         steps = self.checkpoint_steps()
         return (steps[-1], self.checkpoint(steps[-1])) if steps else None
+
+    def previous(self, stamp: str) -> Path:
+        """``previous-<stamp>/``: where an earlier attempt's files are set aside."""
+        return self.root / f"{PREVIOUS_PREFIX}{stamp}"
 
     # ---- housekeeping ------------------------------------------------------------------
     def remove_partial_writes(self) -> None:

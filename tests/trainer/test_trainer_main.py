@@ -166,3 +166,161 @@ def test_lr_schedules():
     assert [f(s, 2, 10, "constant") for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     assert f(2, 2, 10, "cosine") == pytest.approx(1.0) and f(6, 2, 10, "cosine") == pytest.approx(0.5)
     assert f(6, 2, 10, "linear") == pytest.approx(0.5) and f(10, 2, 10, "linear") == 0.0
+
+
+# ---- checkpoints: the data position, pruning, damage, a full disk -----------------------
+
+
+def _position(n: int) -> dict:
+    return {"format": "primerl.orchestrator_state", "version": 1, "step": n, "drawn": 2 * n,
+            "pending": [[2 * n, "train-x"]], "batch": [2 * n - 2, 2 * n - 1]}
+
+
+@pytest.fixture(scope="module")
+def ckpt_run(tmp_path_factory):
+    """Three steps, a checkpoint after each, the newest two kept; the orchestrator's
+    position records written beside the batches as the orchestrator writes them."""
+    out = tmp_path_factory.mktemp("ckpts")
+    cfg = _config(out, **{"max_steps": 3, "trainer.checkpoint_every": 1, "trainer.keep_checkpoints": 2})
+    _write_rollouts(cfg, [1, 2, 3])
+    run = RunDir(out)
+    for n in (1, 2, 3):
+        run.batch_state(n).write_text(json.dumps(_position(n)))
+    trainer.main(cfg)
+    return out
+
+
+def _copy(src: Path, dst: Path) -> RunDir:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return RunDir(dst)
+
+
+def test_checkpoints_carry_the_data_position_and_a_manifest_and_the_newest_are_kept(ckpt_run):
+    from primerl.resume import check_checkpoint
+    from primerl.rundir import MANIFEST, ORCHESTRATOR_STATE
+
+    run = RunDir(ckpt_run)
+    assert run.checkpoint_steps() == [2, 3]  # keep_checkpoints 2: step 1's went once step 3's was complete
+    for n in (2, 3):
+        ckpt = run.checkpoint(n)
+        assert json.loads((ckpt / ORCHESTRATOR_STATE).read_text()) == _position(n)
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+        assert files["model.safetensors"] == (ckpt / "model.safetensors").stat().st_size
+        assert {"optimizer/.metadata", TRAINER_STATE} <= set(files)
+        assert check_checkpoint(ckpt) is None
+        assert torch.load(ckpt / TRAINER_STATE, weights_only=False)["policy_version"] == n
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _garble(path: Path) -> None:
+    import os
+
+    path.write_bytes(os.urandom(path.stat().st_size))
+
+
+@pytest.mark.parametrize(("damage", "target", "problem"), [
+    (_truncate, "model.safetensors", "model.safetensors has"),  # the manifest's size
+    (_garble, "optimizer/.metadata", "optimizer/.metadata"),
+    (lambda p: p.unlink(), "optimizer/__0_0.distcp", "optimizer/__0_0.distcp is missing"),
+    (_garble, TRAINER_STATE, TRAINER_STATE),
+], ids=["truncated-weights", "garbled-optimizer-metadata", "missing-optimizer-shard", "garbled-trainer-state"])
+def test_an_unusable_checkpoint_is_passed_over_for_the_one_before(ckpt_run, tmp_path, damage, target, problem):
+    from primerl.resume import MANIFEST, usable_checkpoint
+
+    run = _copy(ckpt_run, tmp_path / "run")
+    damage(run.checkpoint(3) / target)
+    lines = []
+    assert usable_checkpoint(run, log=lines.append) == (2, run.checkpoint(2))
+    (line,) = lines
+    assert line.startswith("checkpoints/step_000003 is unusable (") and problem in line
+    assert line.endswith("falling back to the one before")
+    if target == "model.safetensors":  # without a manifest (an older primerl), the header tells
+        (run.checkpoint(3) / MANIFEST).unlink()
+        assert usable_checkpoint(run) == (2, run.checkpoint(2))
+
+
+def test_a_checkpoint_that_does_not_load_is_set_aside_and_the_same_command_continues(ckpt_run, tmp_path, capsys):
+    """Optimizer shards garbled in place pass the size checks but not torch.load: the trainer
+    stops with one line and sets the checkpoint aside; run again, it resumes from the one
+    before and trains the step again, its metrics line once."""
+    from primerl.errors import PrimerlError
+    from primerl.resume import check_checkpoint
+
+    run = _copy(ckpt_run, tmp_path / "run")
+    _garble(run.checkpoint(3) / "optimizer" / "__0_0.distcp")
+    assert check_checkpoint(run.checkpoint(3)) is None
+    cfg = _config(run.root, **{"max_steps": 3, "trainer.checkpoint_every": 1, "trainer.keep_checkpoints": 2})
+    with pytest.raises(PrimerlError) as info:
+        trainer.main(cfg)
+    msg = str(info.value)
+    assert msg.startswith("checkpoints/step_000003 does not load (") and "\n" not in msg
+    assert "run the same command again to resume from the checkpoint before it" in msg
+    (aside,) = run.root.glob("previous-*/checkpoints/step_000003")
+    assert str(aside) in msg and run.checkpoint_steps() == [2]
+    capsys.readouterr()
+    trainer.main(cfg)
+    assert "resumed from" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in run.metrics.read_text().splitlines()] == [1, 2, 3]
+    assert run.checkpoint_steps() == [2, 3] and check_checkpoint(run.checkpoint(3)) is None
+
+
+def _small_tmpfs(path: Path, size: str) -> bool:
+    """Mount a tmpfs of ``size`` on ``path`` (root only); False when this machine cannot."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        return False
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_the_last_checkpoint_stays_usable(tmp_path):
+    """A checkpoint is about 13 MB; on a 20 MB tmpfs the first fits and the second does
+    not. As root a real tmpfs fills up (ENOSPC); elsewhere checkpoints/ is made read-only,
+    which fails the first checkpoint the same way (EACCES)."""
+    import os
+    import subprocess
+
+    from primerl.errors import PrimerlError
+    from primerl.resume import check_checkpoint
+
+    out = tmp_path / "run"
+    run = RunDir(out)
+    cfg = _config(out, **{"max_steps": 2, "trainer.checkpoint_every": 1})
+    _write_rollouts(cfg, [1, 2])
+    mounted = _small_tmpfs(run.checkpoints, "20m")
+    if not mounted:
+        if os.geteuid() == 0:
+            pytest.skip("cannot mount a tmpfs here (no CAP_SYS_ADMIN)")
+        run.checkpoints.mkdir(parents=True)
+        run.checkpoints.chmod(0o555)
+    try:
+        with pytest.raises(PrimerlError) as info:
+            trainer.main(cfg)
+        msg = str(info.value)
+        assert "\n" not in msg
+        if mounted:
+            assert msg.startswith("could not write checkpoints/step_000002: ") and "No space left on device" in msg
+            assert "the last complete checkpoint, checkpoints/step_000001, is intact" in msg
+            assert run.checkpoint_steps() == [1] and check_checkpoint(run.checkpoint(1)) is None
+            assert not list(run.checkpoints.glob(".tmp*"))  # the half-written one is gone
+            # room again: the same command resumes from it and finishes
+            subprocess.run(["mount", "-o", "remount,size=64m", str(run.checkpoints)], check=True)
+            trainer.main(cfg)
+            assert run.checkpoint_steps() == [1, 2]
+            assert [json.loads(x)["step"] for x in run.metrics.read_text().splitlines()] == [1, 2]
+        else:
+            assert msg.startswith("could not write checkpoints/step_000001: Permission denied")
+            assert "there is no earlier checkpoint" in msg
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(run.checkpoints)], check=False)
+        elif run.checkpoints.exists():
+            run.checkpoints.chmod(0o755)

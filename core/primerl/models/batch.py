@@ -102,6 +102,42 @@ class SlotCache:
             for t in layer.values():
                 t[dst_slot, :n] = t[src_slot, :n]
 
+    # ---- what a KV store reads and writes (primerl.kv_stores: offload, shared blocks) ----
+
+    def names(self) -> list[str]:
+        """The per-token tensors as :meth:`read` and :meth:`write` name them: ``"{layer}.{name}"``."""
+        return [f"{i}.{name}" for i, layer in enumerate(self.per_token) for name in layer]
+
+    def _span(self, start: int, n: int) -> None:
+        if not self.supports_prefix_reuse:
+            raise ValueError("this cache holds recurrent state, which cannot be cut at a prefix")
+        if start < 0 or n < 0 or start + n > self.max_len:
+            raise ValueError(f"positions {start}..{start + n - 1} outside the cache (max_len {self.max_len})")
+
+    def read(self, slot: int, start: int, n: int) -> dict[str, Tensor]:
+        """Positions ``start .. start+n-1`` of ``slot``: per :meth:`names`, a view
+        ``[n, *shape]`` into the cache (copy it before the slot is written again)."""
+        self._span(start, n)
+        return {f"{i}.{name}": t[slot, start:start + n]
+                for i, layer in enumerate(self.per_token) for name, t in layer.items()}
+
+    @torch.no_grad()
+    def write(self, slot: int, start: int, tensors: dict[str, Tensor]) -> None:
+        """Write ``tensors`` (per :meth:`names`, each ``[n, *shape]``, any device) at positions
+        ``start .. start+n-1`` of ``slot``: what :meth:`read` returned, restored."""
+        names = self.names()
+        if sorted(tensors) != sorted(names):
+            raise ValueError(f"cache tensors {sorted(tensors)} do not match this cache's {sorted(names)}")
+        n = len(next(iter(tensors.values()))) if tensors else 0
+        self._span(start, n)
+        for i, layer in enumerate(self.per_token):
+            for name, t in layer.items():
+                src = tensors[f"{i}.{name}"]
+                if tuple(src.shape) != (n, *t.shape[2:]) or src.dtype != t.dtype:
+                    raise ValueError(f"cache tensor {i}.{name}: got {tuple(src.shape)} {src.dtype}, "
+                                     f"this cache holds {(n, *t.shape[2:])} {t.dtype}")
+                t[slot, start:start + n].copy_(src)
+
 
 # ---------------------------------------------------------------------------------------
 # The batch every layer sees

@@ -32,6 +32,11 @@ set, goes with every call. With no server up for ``all_down_s`` seconds a reques
 :class:`~primerl.errors.PrimerlError` that stops the run with every server's cause in
 one line. An external router process (``route`` answers a URL that is not one of the
 servers) balances and health-checks on its own: errors through it are not re-sent here.
+
+Prefill/decode disaggregation (``inference.prefill_replicas`` / ``decode_replicas``):
+:class:`PDInferenceClient`, at the end of this module, runs each request as two phases over
+two pools, each an :class:`InferenceClient` with its own router and health; build either
+client with :func:`inference_client`.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +72,11 @@ class NoServerUp(PrimerlError):
 
 class ServerLost(Exception):
     """The server a request was waiting on was ejected while it waited."""
+
+
+class KVMissing(Exception):
+    """A decode server did not find the prompt's KV in the KV store (409 ``kv_missing``):
+    prefill/decode disaggregation runs the prefill phase again."""
 
 
 @attrs.define
@@ -374,6 +384,8 @@ class InferenceClient:
             if r.status_code == 503 and "retry-after" in r.headers:  # the server's queue is full: later
                 await asyncio.sleep(_retry_after(r.headers["retry-after"]))
                 continue
+            if r.status_code == 409 and "kv_missing" in r.text:  # P/D: the decode phase's KV is gone
+                raise KVMissing(r.text[:500])
             if not ok:
                 raise RuntimeError(f"inference request failed ({r.status_code}): {r.text[:500]}")
             return r.json()
@@ -437,4 +449,137 @@ class InferenceClient:
         await self.http.aclose()
 
 
-__all__ = ["InferenceClient", "NoServerUp", "Server"]
+# ---- prefill/decode disaggregation ------------------------------------------------------------
+
+MAX_PREFILLS = 3  # prefill phases a request runs before it runs whole on a decode server
+
+
+class PDInferenceClient:
+    """Prefill/decode disaggregation: every request in two phases, over two pools of servers.
+
+    Each pool is an :class:`InferenceClient` (its own router instance, health state, ejection,
+    re-sends and readmission). A completion or chat request goes
+
+    1. to a prefill server (the prefill pool's router), with ``kv_transfer_params:
+       {"do_remote_decode": true}``: it runs the prompt and writes its KV blocks (and their
+       routed experts) to the KV store every server shares, and answers the decode phase's
+       ``kv_transfer_params``;
+    2. to a decode server (the decode pool's router): the same request with those params; it
+       loads the prompt's KV from the store and samples.
+
+    Failures, per phase: a prefill server lost on the way costs a prefill on another (the
+    prefill pool re-sends it); a decode server lost costs the decode phase on another decode
+    server, from the same KV (the store outlives the server); a decode server that does not
+    find the KV (``kv_missing``: evicted, its Mooncake segment gone with a prefill server, or
+    the weights changed in between) makes the client prefill again. After
+    :data:`MAX_PREFILLS` misses, or with no prefill server up, the request runs whole on a
+    decode server (a decode server is a whole engine), so P/D never fails a rollout that one
+    server could serve. Requests that score their prompt (``echo``) always run whole.
+
+    Weight updates go to every server of both pools; an agent env that calls inference itself
+    gets a decode server (:meth:`endpoint`), which runs its requests whole. Metrics: the two
+    pools' re-sends and servers summed, plus ``inference/prefill_up``,
+    ``inference/decode_up``, ``inference/kv_reprefilled`` (prefill phases run again after a
+    miss) and ``inference/pd_whole`` (requests that fell back to one decode server).
+    """
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], router: Callable[[], Router],
+                 timeout: float = 600.0, **kwargs: Any) -> None:
+        """``router``: makes one router per pool (the ``inference.router`` plugin's class);
+        ``kwargs``: :class:`InferenceClient`'s keyword arguments, for both pools."""
+        if not prefill or not decode:
+            raise ValueError("prefill/decode disaggregation needs at least one prefill and one decode server URL")
+        self.prefill = InferenceClient(prefill, router(), timeout, **kwargs)
+        self.decode = InferenceClient(decode, router(), timeout, **kwargs)
+        self.servers = [*self.prefill.servers, *self.decode.servers]
+        self.reprefilled = 0  # prefill phases run again after a decode server missed the KV
+        self.whole = 0  # requests run whole on a decode server (no prefill server up, or KV missed every time)
+
+    # ---- health -------------------------------------------------------------------------
+    def servers_up(self) -> list[str]:
+        return self.prefill.servers_up() + self.decode.servers_up()
+
+    async def wait_ready(self, deadline_s: float = 600.0) -> None:
+        await asyncio.gather(self.prefill.wait_ready(deadline_s), self.decode.wait_ready(deadline_s))
+
+    def base_url(self, session: str) -> str:
+        return self.decode.base_url(session)
+
+    async def endpoint(self, session: str) -> tuple[str, int]:
+        """An agent env's calls run whole on one decode server."""
+        return await self.decode.endpoint(session)
+
+    async def lost_since(self, url: str, token: int) -> bool:
+        return await self.decode.lost_since(url, token)
+
+    def count_resent(self) -> None:
+        self.decode.count_resent()
+
+    # ---- requests -----------------------------------------------------------------------
+    async def chat(self, body: dict[str, Any], session: str | None = None) -> ChatCompletionResponse:
+        return await self._two_phases(CHAT_COMPLETIONS, body, session)
+
+    async def completions(self, body: dict[str, Any], session: str | None = None) -> CompletionResponse:
+        return await self._two_phases(COMPLETIONS, body, session)
+
+    async def _two_phases(self, path: str, body: dict[str, Any], session: str | None) -> Any:
+        if body.get("echo"):  # a scored prompt runs whole: every position's logits are needed
+            return await self.decode._post(path, body, session)
+        for _ in range(MAX_PREFILLS):
+            if not self.prefill.servers_up():
+                break
+            try:
+                pre = await self.prefill._post(path, {**body, "kv_transfer_params": {"do_remote_decode": True}},
+                                               session)
+            except NoServerUp:
+                break
+            try:
+                return await self.decode._post(path, {**body, "kv_transfer_params": pre["kv_transfer_params"]},
+                                               session)
+            except KVMissing:
+                self.reprefilled += 1
+        self.whole += 1
+        return await self.decode._post(path, body, session)
+
+    # ---- weights ------------------------------------------------------------------------
+    async def load_weights(self, path: Path, version: int) -> None:
+        """Every server of both pools (see :meth:`InferenceClient.load_weights`)."""
+        await asyncio.gather(self.prefill.load_weights(path, version), self.decode.load_weights(path, version))
+
+    # ---- metrics and shutdown --------------------------------------------------------------
+    def take_metrics(self) -> dict[str, int]:
+        p, d = self.prefill.take_metrics(), self.decode.take_metrics()
+        out = {key: p[key] + d[key] for key in p}
+        out.update({"inference/prefill_up": p["inference/servers_up"], "inference/decode_up": d["inference/servers_up"],
+                    "inference/kv_reprefilled": self.reprefilled, "inference/pd_whole": self.whole})
+        self.reprefilled = self.whole = 0
+        return out
+
+    async def close(self) -> None:
+        await asyncio.gather(self.prefill.close(), self.decode.close())
+
+
+def inference_client(cfg: Any, router: Callable[[], Router] | None = None, *, servers: Sequence[str] | None = None,
+                     **kwargs: Any) -> InferenceClient | PDInferenceClient:
+    """The client for run config ``cfg``: :class:`PDInferenceClient` over
+    ``inference.pd_urls()`` when prefill/decode are disaggregated, else an
+    :class:`InferenceClient` over ``servers`` (the run's inference URLs). ``router`` makes a
+    router (default: the ``inference.router`` plugin with ``inference.router_options``; one per
+    pool with prefill/decode); ``kwargs`` go to the client."""
+    inf = cfg.inference
+    if router is None:
+        from primerl.routers import load_router
+
+        def router() -> Router:
+            return load_router(inf.router, getattr(inf, "router_options", None))
+
+    disaggregated = getattr(inf, "disaggregated", None)
+    if disaggregated is not None and disaggregated():
+        prefill, decode = inf.pd_urls()
+        return PDInferenceClient(prefill, decode, router, **kwargs)
+    if servers is None:
+        raise ValueError("inference_client needs the servers' URLs when prefill/decode are not disaggregated")
+    return InferenceClient(servers, router(), **kwargs)
+
+
+__all__ = ["InferenceClient", "KVMissing", "NoServerUp", "PDInferenceClient", "Server", "inference_client"]

@@ -20,6 +20,15 @@ the env's eval split, logged with the next batch; and failed groups are counted
 (``errors/task``, ``errors/rollout``) until ``max_failed_groups`` in a row say the env
 cannot run its tasks, which stops the run with the cause.
 
+The data position: tasks are drawn, numbered, from the env's train split reshuffled each
+epoch by ``random.Random(seed)``. Just before ``rollouts/step_n.pt`` the orchestrator
+writes ``rollouts/step_n.state.json``: how many tasks it has drawn and which drawn ones are
+in no batch yet (in flight, or finished and waiting); the trainer copies it into
+``checkpoints/step_n``. Started again, the orchestrator takes the checkpoint the trainer
+takes (``primerl.resume.usable_checkpoint``), replays the draws up to that position, starts
+the unbatched tasks first and writes batches s+1..: the same task order as a run that was
+never stopped.
+
 Requests reach the inference servers (``inference.replicas`` of them) through the router
 plugin (``inference.router``) and :class:`~primerl.orchestrator.client.InferenceClient`,
 which ejects a dead server, re-sends its requests to another and readmits it with the
@@ -39,12 +48,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import random
 import signal
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -56,10 +67,14 @@ from primerl.envs.multiturn import MultiTurnConfig, MultiTurnEnv, prompt_ids, tu
 from primerl.envs.workers import EnvWorkers
 from primerl.errors import PrimerlError
 from primerl.inference import RoutedExperts
-from primerl.orchestrator.client import InferenceClient
+from primerl.orchestrator.client import InferenceClient, inference_client
 from primerl.registry import get_registry
-from primerl.rundir import RunDir
+from primerl.resume import usable_checkpoint
+from primerl.rundir import ORCHESTRATOR_STATE, RunDir, step_name, write_atomically
 from primerl.samples import NO_VERSION, RolloutBatch, Sample, decode_routed_experts, write_batch
+
+POSITION_FORMAT = "primerl.orchestrator_state"  # rollouts/step_n.state.json, checkpoints/step_n/orchestrator_state.json
+POSITION_VERSION = 1
 
 
 def log(msg: str) -> None:
@@ -79,6 +94,7 @@ class Group:
     cancelled: bool = False
     env_metrics: list[dict[str, float]] = attrs.Factory(list)  # an agent env's, one dict per episode
     session: str = attrs.Factory(lambda: f"group-{next(_GROUP_IDS)}")  # keeps the group on one server
+    draw: int | None = None  # its task's number in the run's draws (None: not drawn, e.g. evaluation)
 
     @property
     def oldest_version(self) -> int:
@@ -91,6 +107,28 @@ _GROUP_IDS = itertools.count()
 
 class RunFailed(Exception):
     """The run cannot go on: the env cannot run its tasks. The message names the cause."""
+
+
+@attrs.frozen
+class DataPosition:
+    """Where the task draws stood once batch ``step`` was written."""
+
+    step: int
+    drawn: int  # tasks drawn so far
+    pending: tuple[tuple[int, str], ...] = ()  # (draw, task id) of drawn tasks in no batch yet
+
+    def record(self, batch: list[int]) -> dict[str, Any]:
+        """The JSON object written next to the batch (``batch``: its groups' draws)."""
+        return {"format": POSITION_FORMAT, "version": POSITION_VERSION, "step": self.step, "drawn": self.drawn,
+                "pending": [list(p) for p in self.pending], "batch": batch}
+
+    @classmethod
+    def read(cls, path: Any) -> DataPosition:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or data.get("format") != POSITION_FORMAT or data.get("version", 0) > 1:
+            raise ValueError(f"{path} is not an orchestrator state of format version {POSITION_VERSION}")
+        return cls(step=int(data["step"]), drawn=int(data["drawn"]),
+                   pending=tuple((int(i), str(t)) for i, t in data["pending"]))
 
 
 class Failures:
@@ -144,14 +182,21 @@ class Orchestrator:
         self.run_dir = RunDir(cfg.output_dir)
         self.groups_per_batch = self.o.batch_size // self.o.group_size
         self.version = -1  # newest version loaded into inference (-1: none yet)
-        self.started = 0  # groups started (minus those refunded after a drop)
+        self.started = 0  # groups started (minus those refunded after a drop), batches before a resume included
         self.finished: asyncio.Queue[Group] = asyncio.Queue()
         self.in_flight: dict[asyncio.Task, Group] = {}
         self.tokens_since_batch = 0
         self.version_changed = asyncio.Event()
         self.failures = Failures(self.o.max_failed_groups)
         self.broken: asyncio.Future[str] | None = None  # set with the cause when the env cannot run its tasks
-        self.tasks = self._task_stream()
+        # resuming: the trainer continues from the same checkpoint (the same choice, made alike)
+        found = usable_checkpoint(self.run_dir, log=log)
+        self.resume_step = found[0] if found is not None else 0
+        position = self._read_position(self.resume_step) if found is not None else None
+        self.drawn = position.drawn if position is not None else 0
+        self.pending: dict[int, Task] = {}  # drawn tasks in no batch yet, by draw
+        self.started = self.resume_step * self.groups_per_batch
+        self.tasks = self._task_stream(position)
         self.eval_tasks: list[Task] = []  # the eval split's first eval_tasks tasks, read at start when eval_every
         self.eval_results: list[dict[str, float]] = []  # finished evaluations, logged with the next batch
         self.evaluations: set[asyncio.Task] = set()
@@ -170,14 +215,46 @@ class Orchestrator:
         elif isinstance(env, AgentEnv):
             self.workers = EnvWorkers(cfg.env.name, cfg.env, self.o.env_workers)
 
-    def _task_stream(self) -> Iterator[Task]:
+    def _draws(self) -> Iterator[tuple[int, Task]]:
+        """Every task the run draws, numbered: the train split, reshuffled each epoch."""
         rng = random.Random(self.cfg.seed)
         tasks = list(self.env.tasks("train"))
         if not tasks:
             raise ValueError(f"environment '{self.cfg.env.name}' has no train tasks")
-        while True:
-            rng.shuffle(tasks)
-            yield from tasks
+        for i in itertools.count():
+            if i % len(tasks) == 0:
+                rng.shuffle(tasks)
+            yield i, tasks[i % len(tasks)]
+
+    def _task_stream(self, position: DataPosition | None) -> Iterator[tuple[int, Task]]:
+        """The draws from ``position`` on: its unbatched tasks first, then the draws after it."""
+        draws = self._draws()
+        if position is not None:
+            wanted = dict(position.pending)
+            restored = [(i, task) for i, task in itertools.islice(draws, position.drawn) if i in wanted]
+            if [(i, task.id) for i, task in restored] != list(position.pending):
+                log("warning: the env's train tasks are not those of the run being resumed (the recorded draws "
+                    "name other tasks): the task order cannot continue exactly")
+            yield from restored
+        yield from draws
+
+    def _read_position(self, step: int) -> DataPosition:
+        """Batch ``step``'s data position: from its checkpoint, else from beside the batch, else
+        (a checkpoint of an older primerl) estimated as if no group had failed or been dropped."""
+        for path in (self.run_dir.checkpoint(step) / ORCHESTRATOR_STATE, self.run_dir.batch_state(step)):
+            if path.is_file():
+                try:
+                    position = DataPosition.read(path)
+                except (ValueError, KeyError, TypeError) as exc:
+                    log(f"warning: {path} is unreadable ({exc})")
+                    continue
+                log(f"resuming after batch {step} ({path}): {position.drawn} tasks drawn, "
+                    f"{len(position.pending)} of them in no batch yet, started again first")
+                return position
+        drawn = step * self.groups_per_batch
+        log(f"resuming after batch {step}: checkpoints/{step_name(step)} has no data position (an older primerl); "
+            f"the task order continues from draw {drawn}, where it stands when no group failed or was dropped")
+        return DataPosition(step=step, drawn=drawn)
 
     # ---- evaluation -----------------------------------------------------------------------
     def _eval_tasks(self) -> list[Task]:
@@ -230,15 +307,17 @@ class Orchestrator:
     def may_start(self) -> bool:
         allowed_batches = self.version + 1 + self.o.async_level
         samples_in_flight = len(self.in_flight) * self.o.group_size
-        return (self.version >= 0 and self.started < allowed_batches * self.groups_per_batch
+        return (self.version >= self.resume_step and self.started < allowed_batches * self.groups_per_batch
                 and samples_in_flight + self.o.group_size <= max(self.o.max_concurrent, self.o.group_size))
 
     async def start_groups(self) -> None:
         while True:
             while self.may_start():
-                task = next(self.tasks)
+                draw, task = next(self.tasks)
+                self.pending[draw] = task
+                self.drawn = max(self.drawn, draw + 1)
                 group = Group(task=task, start_version=self.version, size=self.o.group_size,
-                              temperature=self.o.temperature)
+                              temperature=self.o.temperature, draw=draw)
                 job = asyncio.create_task(self.rollout(group))
                 self.in_flight[job] = group
                 job.add_done_callback(self._on_done)
@@ -252,6 +331,7 @@ class Orchestrator:
     def _on_done(self, job: asyncio.Task) -> None:
         group = self.in_flight.pop(job)
         if job.cancelled():
+            self.pending.pop(group.draw, None)
             return
         exc = job.exception()
         if exc is None:
@@ -259,6 +339,7 @@ class Orchestrator:
             self.finished.put_nowait(group)
             return
         self.started -= 1  # a fresh group takes its place
+        self.pending.pop(group.draw, None)
         if isinstance(exc, PrimerlError):  # the user's setup is wrong: no other group will fare better
             if self.broken is not None and not self.broken.done():
                 self.broken.set_result(str(exc))
@@ -428,7 +509,7 @@ class Orchestrator:
         from primerl.trainer.loss import compute_advantages
 
         last = time.monotonic()
-        for n in range(1, self.cfg.max_steps + 1):
+        for n in range(self.resume_step + 1, self.cfg.max_steps + 1):
             groups: list[Group] = []
             dropped = 0
             while len(groups) < self.groups_per_batch:
@@ -437,9 +518,13 @@ class Orchestrator:
                 if staleness > self.o.max_off_policy_steps:
                     dropped += len(group.samples)
                     self.started -= 1  # let a fresh group take its place
+                    self.pending.pop(group.draw, None)
                     continue
                 groups.append(group)
+                self.pending.pop(group.draw, None)
             self.cancel_hopeless(n + 1)
+            position = DataPosition(step=n, drawn=self.drawn,
+                                    pending=tuple((i, t.id) for i, t in sorted(self.pending.items())))
             samples: list[Sample] = []
             for g in groups:
                 # one advantage per episode (an agent env's episode may train as several samples)
@@ -479,12 +564,17 @@ class Orchestrator:
             self.eval_results.clear()
             self.tokens_since_batch = 0
             last = now
-            await asyncio.to_thread(write_batch, self.run_dir.batch(n),
-                                    RolloutBatch(step=n, samples=samples, metrics=metrics))
+            await asyncio.to_thread(self._write_batch, RolloutBatch(step=n, samples=samples, metrics=metrics),
+                                    position.record([g.draw for g in groups if g.draw is not None]))
             log(f"batch {n}: reward {metrics['reward/mean']:.3f}, staleness max {metrics['off_policy/max']}, "
                 f"dropped {dropped}, inference v{self.version}")
             if self.o.eval_every and n % self.o.eval_every == 0 and n < self.cfg.max_steps:
                 self._start_evaluation(n)
+
+    def _write_batch(self, batch: RolloutBatch, position: dict[str, Any]) -> None:
+        """The data position, then the batch (a trainer that sees the batch finds its position)."""
+        write_atomically(self.run_dir.batch_state(batch.step), lambda tmp: tmp.write_text(json.dumps(position)))
+        write_batch(self.run_dir.batch(batch.step), batch)
 
     def cancel_hopeless(self, next_batch: int) -> None:
         """Cancel in-flight groups that would be too stale even for the next batch."""
@@ -493,6 +583,7 @@ class Orchestrator:
                 group.cancelled = True
                 job.cancel()
                 self.started -= 1
+                self.pending.pop(group.draw, None)
 
     async def run(self) -> None:
         self.eval_tasks = self._eval_tasks() if self.o.eval_every else []
@@ -524,6 +615,9 @@ def inference_urls(cfg: RunConfig) -> list[str]:
     inf = cfg.inference
     if inf.urls:
         return [u.rstrip("/") for u in inf.urls]
+    if inf.prefill_replicas:  # prefill/decode pools: every server, prefill first
+        prefill, decode = inf.pd_urls()
+        return prefill + decode
     return [f"http://{inf.host}:{inf.port + i}" for i in range(inf.replicas)]
 
 
@@ -531,8 +625,7 @@ def main(cfg: RunConfig) -> None:
     registry = get_registry()
     env = registry.load("env", cfg.env.name)(cfg.env)
     resolved_key = getattr(cfg.inference, "resolved_api_key", None)  # servers that require a key
-    client = InferenceClient(inference_urls(cfg), registry.load("router", cfg.inference.router)(),
-                             api_key=resolved_key() if resolved_key else None)
+    client = inference_client(cfg, servers=inference_urls(cfg), api_key=resolved_key() if resolved_key else None)
 
     async def go() -> None:
         try:

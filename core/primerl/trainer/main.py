@@ -4,15 +4,19 @@ What it does, in order (files per docs/architecture.md, paths from ``RunDir``):
 
 1. Join the other trainer ranks when torchrun started several (``trainer.nproc``); build
    the model (float32 master weights, whatever dtype inference serves in) from the model
-   plugin, on ``trainer.device``; load the newest complete ``checkpoints/step_N`` into it
-   if any; lay it out with the parallelism plugin (``trainer.parallelism``) on a device
-   mesh, which also builds AdamW; then the LR schedule and the optimizer state.
+   plugin, on ``trainer.device``; load the newest usable ``checkpoints/step_N`` into it
+   if any (``primerl.resume.usable_checkpoint``, the same choice the orchestrator makes);
+   lay it out with the parallelism plugin (``trainer.parallelism``) on a device mesh, which
+   also builds AdamW; then the LR schedule and the optimizer state. A checkpoint that
+   fails to load is set aside and the trainer stops: the same command then resumes from
+   the one before (the orchestrator has already started from this one).
 2. Otherwise: optional SFT warm-up on the env's reference answers (``[sft]``), then
    publish v0 as ``weights/step_000000`` so the orchestrator can start.
 3. For n = start+1 .. max_steps: wait for ``rollouts/step_n.pt``, read it
    (``primerl.samples.read_batch``), pack it, one optimizer step, publish
    ``weights/step_n`` + ``STABLE``, prune old weights, append a line to
-   ``metrics.jsonl``, checkpoint every ``trainer.checkpoint_every`` steps and at the end.
+   ``metrics.jsonl``, checkpoint every ``trainer.checkpoint_every`` steps and at the end
+   (keeping the newest ``trainer.keep_checkpoints``).
 
 With several ranks every rank reads every batch and packs it the same way; the strategy
 says which rows and tokens each trains; global rank 0 alone writes weights, metrics and
@@ -34,20 +38,24 @@ from typing import Any
 
 import attrs
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from primerl.config import RunConfig
 from primerl.errors import PluginError, PrimerlError
 from primerl.parallel import Parallelism, barrier, device_mesh, init_trainer_group, is_publisher, world_size
+from primerl.resume import set_aside_checkpoint, trim_metrics, usable_checkpoint
 from primerl.rundir import RunDir, step_name
 from primerl.samples import read_batch
 from primerl.trainer import log
 from primerl.trainer.loss import LossFn, get_loss
-from primerl.trainer.metrics import append_metrics, truncate_metrics
+from primerl.trainer.metrics import append_metrics
 from primerl.trainer.optim import make_optimizer, make_scheduler
 from primerl.trainer.packing import pack
 from primerl.trainer.publish import (
+    describe,
     load_resume_state,
     load_resume_weights,
+    prune_checkpoints,
     prune_weights,
     publish_weights,
     release_shm,
@@ -102,6 +110,22 @@ def wait_for(path: Path) -> None:
         time.sleep(POLL_S)
 
 
+def unloadable(run: RunDir, n: int, exc: BaseException) -> PrimerlError:
+    """A checkpoint whose files passed the checks but do not load: set it aside (global rank
+    0) and say so. The trainer stops rather than fall back by itself, because the
+    orchestrator has already resumed its data position from this checkpoint; the same
+    command starts both from the one before."""
+    cause = describe(exc)
+    where = "set aside"
+    if is_publisher():
+        try:
+            where = f"moved to {set_aside_checkpoint(run, n)}"
+        except OSError as move_error:
+            where = f"could not be moved aside ({move_error.strerror}): delete it"
+    return PrimerlError(f"checkpoints/{step_name(n)} does not load ({cause}); it was {where}; run the same "
+                        f"command again to resume from the checkpoint before it")
+
+
 def main(cfg: RunConfig) -> None:
     run = RunDir(cfg.output_dir)
     run.root.mkdir(parents=True, exist_ok=True)
@@ -123,9 +147,12 @@ def main(cfg: RunConfig) -> None:
             from primerl.trainer.fp8 import apply_fp8_training_
 
             log(f"fp8: block-scaled FP8 matmuls in {len(apply_fp8_training_(model))} modules")
-        resume = run.latest_checkpoint()
+        resume = usable_checkpoint(run, log=log)
         if resume is not None:  # into the full model, before it is sharded: any layout resumes any other
-            load_resume_weights(resume[1], model, adapter=adapter)
+            try:
+                load_resume_weights(resume[1], model, adapter=adapter)
+            except Exception as exc:  # whatever a damaged file raises
+                raise unloadable(run, resume[0], exc) from exc
         if device == "cuda" and t.resolved_parallelism() == "single":
             model.to(device)
         settings = t.parallel.resolved(world_size())
@@ -154,23 +181,38 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         nonlocal sender
         if t.weight_channel == "nccl" and sender is None and run.published(0) and is_publisher():
             sender = weight_sender(cfg)
-        publish_weights(run, n, model, adapter=adapter, tokenizer=tokenizer, parallelism=parallelism,
-                        channel=t.weight_channel if sender is not None else "filesystem", sender=sender)
+        try:
+            publish_weights(run, n, model, adapter=adapter, tokenizer=tokenizer, parallelism=parallelism,
+                            channel=t.weight_channel if sender is not None else "filesystem", sender=sender)
+        except OSError as exc:  # a full disk: one line, and the way back
+            last = run.checkpoint_steps()
+            raise PrimerlError(
+                f"could not publish weights/{step_name(n)}: {exc.strerror or exc}"
+                + (f" ({exc.filename})" if exc.filename else "") + "; the same command resumes from "
+                + (f"checkpoints/{step_name(last[-1])}" if last else "the start")) from exc
 
     if is_publisher():
         run.remove_partial_writes()  # left by a trainer that died mid-write
     start = 0
     if resume is not None:
-        start = load_resume_state(resume[1], model, optimizer, scheduler, parallelism=parallelism)
+        try:
+            start = load_resume_state(resume[1], model, optimizer, scheduler, parallelism=parallelism)
+        except PrimerlError:
+            raise
+        except (Exception, CheckpointException) as exc:  # whatever a damaged file raises (DCP's: a BaseException)
+            raise unloadable(run, resume[0], exc) from exc
         log(f"resumed from {resume[1]} (step {start})")
-        if is_publisher():
-            truncate_metrics(run, start)
+        if is_publisher() and (kept := trim_metrics(run, start)) is not None:
+            log(f"metrics.jsonl: lines after step {start} dropped (they are trained again); the whole file is "
+                f"kept as {kept}")
         republish = not run.published(start)
         barrier()  # every rank has looked before rank 0 may publish: they must agree
         if republish:
             publish(start)
             log(f"republished weights/{step_name(start)}")
     else:
+        if is_publisher() and (kept := trim_metrics(run, 0)) is not None:
+            log(f"no checkpoint to resume from: an earlier attempt's metrics.jsonl is kept as {kept}")
         if cfg.sft.steps > 0:
             sft_warmup(cfg, model, tokenizer, parallelism)
             seed_everything(cfg.seed)  # RL draws the same randomness with or without SFT
@@ -225,7 +267,10 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         if (t.checkpoint_every and n % t.checkpoint_every == 0) or n == cfg.max_steps:
             save_checkpoint(run, n, model, optimizer, scheduler, adapter=adapter, tokenizer=tokenizer,
                             parallelism=parallelism)
-            log(f"saved checkpoints/{step_name(n)}")
+            pruned = prune_checkpoints(run, n, t.keep_checkpoints) if is_publisher() else []
+            log(f"saved checkpoints/{step_name(n)}"
+                + (f"; deleted {', '.join(step_name(m) for m in pruned)} (keep_checkpoints {t.keep_checkpoints})"
+                   if pruned else ""))
 
     if t.weight_channel == "shm" and is_publisher():
         release_shm(run)

@@ -46,6 +46,7 @@ class EmbeddedBackend:
             kv_slots=cfg.inference.kv_slots,
             num_experts=layout.get("num_experts"),
             kv_store=kv_store,
+            max_waiting=cfg.inference.max_queue,
         )
         engine.decode = lambda ids: tokenizer.decode(ids)
         return engine, tokenizer, adapter
@@ -76,7 +77,8 @@ class EmbeddedBackend:
 
         engine, tokenizer, adapter = self.build(cfg)
         engine.start()
-        app = create_app(engine, tokenizer, cfg.model.name, load_weights=self.weight_loader(engine, adapter))
+        app = create_app(engine, tokenizer, cfg.model.name, load_weights=self.weight_loader(engine, adapter),
+                         api_key=cfg.inference.resolved_api_key())
         try:
             uvicorn.run(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning")
         finally:

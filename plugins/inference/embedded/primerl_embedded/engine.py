@@ -26,6 +26,10 @@ A request that asks for its prompt's log-probabilities (``echo`` with ``logprobs
 lm-evaluation-harness scores multiple choice) is prefilled from scratch in a forward of its
 own that returns the logits of every position; ``max_tokens=0`` then generates nothing.
 
+Prefill/decode disaggregation: a sequence submitted with ``phase="prefill"`` runs its prompt
+and writes the prompt's KV blocks to the shared KV store; one with ``phase="decode"`` loads
+them instead of running them (:class:`KVHandoff`).
+
 Slots stay compact: the i-th running sequence holds slot i (a sequence that finishes
 swaps slots with the last running one; a new one takes the first slot after them), so
 every forward's slots are consecutive and the model reads the cache in place instead of
@@ -54,12 +58,17 @@ import attrs
 import torch
 
 from primerl.errors import PrimerlError
-from primerl.kv_stores import KVStore, PrefixHit, SlotPool
+from primerl.kv_stores import BlockSlotStore, KVStore, PrefixHit, SlotPool, model_identity
 from primerl.sampling import sample, scale
 
 
 class RequestError(PrimerlError):
     """A request the engine cannot serve (too long, bad parameters): a 4xx for the client."""
+
+
+class QueueFull(RequestError):
+    """The waiting queue is at ``max_waiting`` sequences: a 503 for the client, who may retry;
+    what the engine already holds keeps running and memory stays bounded."""
 
 
 @attrs.define(kw_only=True)
@@ -98,9 +107,14 @@ class Sequence:
     stop_text_at: int | None = None  # where a stop string begins in the decoded text
     slot: int = -1
     cached: int = 0  # tokens of (prompt + output) already in the KV cache
+    kv_version: int = 0  # policy version of the oldest KV in its slot (older than the engine's: ran across an update)
     leader: Sequence | None = None  # for n > 1: the sibling whose prompt KV this one copies
     arrival: float = attrs.Factory(time.monotonic)
     on_done: Callable[[Sequence], None] | None = None
+    # prefill/decode disaggregation (KVHandoff): "prefill" (run the prompt, sample nothing,
+    # write its blocks to the shared store) or "decode" (its full blocks must come from there)
+    phase: str | None = None
+    handoff_blocks: int = 0  # a prefill phase's full blocks the store holds once it finished
 
     @property
     def tokens(self) -> list[int]:
@@ -140,9 +154,11 @@ class Engine:
         max_prefill_tokens: int = 4096,
         num_experts: int | None = None,
         kv_store: KVStore | None = None,
+        max_waiting: int = 4096,
     ):
         """``kv_store``: where finished sequences' KV goes for prefix reuse (None: the registry's
-        ``memory`` store, the ``inference.kv_store`` default)."""
+        ``memory`` store, the ``inference.kv_store`` default). ``max_waiting``: sequences that
+        may wait for a slot; beyond it :meth:`submit` raises :class:`QueueFull`."""
         if kv_slots < max_batch_size:
             raise ValueError(f"kv_slots ({kv_slots}) must be >= max_batch_size ({max_batch_size})")
         self.model = model.eval()
@@ -150,6 +166,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_waiting = max_waiting
         # what one more forward costs, in padded token positions: prefill rows of very
         # different lengths run as several forwards when that pads less (prefill_groups)
         self.prefill_group_cost = 256
@@ -157,13 +174,16 @@ class Engine:
         self.param = next(model.parameters())
         self.cache = model.new_cache(kv_slots, max_model_len)
         self.kv_slots = kv_slots
-        self.slots = SlotPool(self.cache, kv_slots)
+        self.slots = SlotPool(self.cache, kv_slots, model=model_identity(model))  # block keys' namespace
         if kv_store is None:
             from primerl.registry import get_registry
 
             kv_store = get_registry().load("kv_store", "memory")()
         self.kv_store: KVStore = kv_store
         self.kv_store.bind(self.slots)
+        self.handoff = KVHandoff(kv_store)  # prefill/decode disaggregation's use of the store
+        # a store that publishes KV under the current version's keys never gets KV of two policies
+        self._current_kv_only = bool(getattr(kv_store, "current_weights_only", False))
         # recurrent layers (Mamba) keep a state only at a slot's full length: no prefix to reuse
         self.prefix_reuse = getattr(self.cache, "supports_prefix_reuse", True)
         self.waiting: deque[Sequence] = deque()
@@ -180,20 +200,26 @@ class Engine:
 
     # ---- public API (thread-safe) ---------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               on_done: Callable[[Sequence], None] | None = None) -> list[Sequence]:
-        """Queue ``params.n`` sequences for a prompt; ``on_done`` fires in the engine thread."""
+               on_done: Callable[[Sequence], None] | None = None, *, phase: str | None = None) -> list[Sequence]:
+        """Queue ``params.n`` sequences for a prompt; ``on_done`` fires in the engine thread.
+        ``phase``: prefill/decode disaggregation's ``"prefill"`` or ``"decode"`` (see :class:`KVHandoff`)."""
         self.validate(prompt_ids, params)
+        if phase is not None:
+            self.handoff.check(phase, params, self.prefix_reuse)
         seqs = []
         for i in range(params.n):
             gen = None
             if params.seed is not None:
                 gen = torch.Generator().manual_seed(params.seed + i)
             seq = Sequence(id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
-                           generator=gen, on_done=on_done)
+                           generator=gen, on_done=on_done, phase=phase)
             if i > 0:
                 seq.leader = seqs[0]
             seqs.append(seq)
         with self._lock:
+            if len(self.waiting) + len(seqs) > self.max_waiting:
+                raise QueueFull(f"the server's queue is full ({len(self.waiting)} sequences waiting, at most "
+                                f"{self.max_waiting}: inference.max_queue): retry later")
             self.waiting.extend(seqs)
             self.stats.requests += 1
             self._lock.notify_all()
@@ -331,7 +357,7 @@ class Engine:
             try:
                 with torch.no_grad():
                     apply()
-                self.version = version
+                self.version = self.slots.version = version
                 self.reset_prefix_cache()  # idle prefixes were computed by the old weights
                 self.stats.weight_updates += 1
             except Exception as exc:  # noqa: BLE001 - handed to the caller
@@ -366,9 +392,14 @@ class Engine:
     # ---- scheduling: slot i holds the i-th running sequence ----------------------------
     def _admit(self) -> None:
         budget = self.max_prefill_tokens
+        missing: list[Sequence] = []  # P/D decode phases whose prompt KV the store lacks
         with self._lock:
             while self.waiting and len(self.running) < self.max_batch_size:
                 seq = self.waiting[0]
+                if seq.leader is not None and seq.leader.finish_reason == KV_MISSING:
+                    seq.finish_reason = KV_MISSING  # its leader's KV is gone: so is its own
+                    missing.append(self.waiting.popleft())
+                    continue
                 if seq.leader is not None and seq.leader.cached < len(seq.prompt_ids) - 1:
                     break  # wait until the leader's prompt is in the cache, then copy it
                 need = len(seq.prompt_ids)
@@ -376,8 +407,14 @@ class Engine:
                     break  # this step's prefill budget is spent; keep arrival order
                 self.waiting.popleft()
                 self._place(seq, len(self.running))
+                if seq.finish_reason == KV_MISSING:  # P/D: placed nowhere; the client prefills again
+                    missing.append(seq)
+                    continue
                 budget -= len(seq.prompt_ids) - seq.cached
                 self.running.append(seq)
+        for seq in missing:
+            if seq.on_done is not None:
+                seq.on_done(seq)
 
     def _place(self, seq: Sequence, slot: int) -> None:
         """Give ``seq`` the slot after the running ones, with the longest cached prefix of its
@@ -399,10 +436,14 @@ class Engine:
                 hit = self.kv_store.lookup(seq.prompt_ids)
                 n = min(hit.length, limit) if hit is not None else 0
                 hit = hit if n > 0 else None
+        if seq.phase == "decode" and sibling is None and n < self.handoff.needed(len(seq.prompt_ids)):
+            seq.finish_reason = KV_MISSING  # P/D: the prefill's blocks are gone (or of another version)
+            return
         if hit is None or hit.slot != slot:
             self.kv_store.vacate(slot, keep=hit)
             self.slots.acquire(slot)
         seq.slot = slot
+        seq.kv_version = sibling.kv_version if sibling is not None else self.version
         if sibling is not None:
             self.slots.copy(sibling.slot, slot, n)
             routed = _take_rows(sibling.routed, n)
@@ -423,7 +464,10 @@ class Engine:
             self.cache.swap(i, last.slot, max(seq.cached, last.cached))
             seq.slot, last.slot = last.slot, i
             self.running[i] = last
-        if keep_prefix and self.prefix_reuse:
+        if keep_prefix and seq.phase == "prefill":  # P/D: the prompt's blocks go to the shared store now
+            seq.handoff_blocks = (self.handoff.publish(seq.slot, seq.tokens[: seq.cached], seq.routed)
+                                  if seq.kv_version == self.version else 0)
+        if keep_prefix and self.prefix_reuse and not (self._current_kv_only and seq.kv_version != self.version):
             self.kv_store.keep(seq.slot, seq.tokens[: seq.cached], seq.routed)
         else:
             self.slots.release(seq.slot)
@@ -568,6 +612,70 @@ def prefill_groups(seqs: list[Sequence], group_cost: int) -> list[list[Sequence]
         groups.append(sorted(order[cut[i] : i], key=lambda s: rank[id(s)]))
         i = cut[i]
     return groups[::-1]
+
+
+# ---- prefill/decode disaggregation ----------------------------------------------------------
+
+KV_MISSING = "kv_missing"  # finish_reason of a decode phase whose prompt KV the store does not hold
+
+
+class KVHandoff:
+    """Prefill/decode disaggregation (``inference.prefill_replicas`` / ``decode_replicas``):
+    how a prompt's KV goes from the prefill server that computed it to the decode server that
+    samples from it, through the block tier of the KV store every server shares (``disk`` with
+    a shared directory, ``mooncake``; :class:`primerl.kv_stores.BlockSlotStore`).
+
+    * a **prefill** phase runs the prompt (no token is sampled) and, when it retires, writes the
+      prompt's full blocks to the store at once (:meth:`publish`, whatever the store's own write
+      policy), each with its tokens' routed experts, under the current policy version's keys;
+    * a **decode** phase looks its prompt up as any sequence does and must find every full block
+      (:meth:`needed`; the tail shorter than a block, and always the last token, run here). The
+      blocks' routed experts become its prompt tokens' (router replay stays exact). A miss
+      (the blocks were evicted, their server left the pool, or the weights changed in between:
+      block keys carry the version) retires it unplaced with ``finish_reason`` :data:`KV_MISSING`,
+      and the client runs the prefill again.
+    """
+
+    def __init__(self, store: KVStore) -> None:
+        blocks = store if isinstance(store, BlockSlotStore) else getattr(store, "blocks", None)
+        self.blocks: BlockSlotStore | None = blocks if isinstance(blocks, BlockSlotStore) else None
+        self.store_name = type(store).__name__
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size if self.blocks is not None else 0
+
+    def check(self, phase: str, params: SamplingParams, prefix_reuse: bool) -> None:
+        """Refuse a phase this engine cannot serve (a :class:`RequestError`, one line)."""
+        if phase not in ("prefill", "decode"):
+            raise RequestError(f"kv_transfer_params: phase must be 'prefill' or 'decode', got {phase!r}")
+        if self.blocks is None:
+            raise RequestError(
+                f"this server's KV store ({self.store_name}) keeps KV inside its process, so it cannot hand a "
+                f"prompt's KV between prefill and decode servers: start every server with --inference.kv_store "
+                f"disk (one shared directory) or mooncake")
+        if getattr(self.blocks.blocks, "shared", True) is False:  # the disk store, in its private directory
+            raise RequestError(
+                "this server's disk KV store keeps its blocks in a directory of its own, which other servers never "
+                "read: start every server of the run with PRIMERL_KV_DISK_SHARED=1 and one PRIMERL_KV_DISK_DIR "
+                "(the local launcher does)")
+        if not prefix_reuse:
+            raise RequestError("this model's KV cache has recurrent state (Mamba layers) that cannot be restored "
+                               "from blocks: prefill/decode disaggregation cannot serve it")
+        if params.prompt_logprobs is not None:
+            raise RequestError("a prompt that is scored (echo with logprobs) runs whole on one server: send it "
+                               "without kv_transfer_params")
+
+    def needed(self, prompt_len: int) -> int:
+        """Prompt tokens a decode phase must find in the store: every full block (the last
+        token always runs, so a block-aligned prompt's last block is used up to it)."""
+        return min(prompt_len // self.block_size * self.block_size, prompt_len - 1)
+
+    def publish(self, slot: int, tokens: list[int], routed: list[torch.Tensor]) -> int:
+        """Write the full blocks of ``tokens`` (in ``slot``) that the store lacks, now; how
+        many of them, from the first, it holds afterwards."""
+        self.blocks.save(slot, tokens, routed)
+        return self.blocks.blocks.contains(self.blocks.keys(tokens))
 
 
 def _take_rows(chunks: list[torch.Tensor], n: int) -> list[torch.Tensor]:

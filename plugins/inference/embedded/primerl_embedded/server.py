@@ -14,6 +14,12 @@ first is null, as OpenAI and vLLM answer), computed by the engine from the same 
 and the same function as sampled tokens; ``max_tokens: 0`` then scores the prompt alone.
 That is what lm-evaluation-harness's loglikelihood (multiple-choice) tasks send.
 
+Prefill/decode disaggregation takes vLLM's ``kv_transfer_params`` on completion and chat
+requests: ``{"do_remote_decode": true}`` runs only the prefill, writes the prompt's KV blocks
+to the shared KV store and answers the ``kv_transfer_params`` of the decode phase; the same
+request with those is the decode phase, whose prompt KV comes from the store (409
+``kv_missing`` when it is gone: prefill again). See "prefill/decode disaggregation" below.
+
 Malformed or oversized requests get a 4xx with OpenAI's error shape and a reason; the
 server stays up. Handlers never touch the model: they hand work to the engine thread
 and await the result.
@@ -41,8 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from primerl import inference as api
 from primerl.envs.multiturn import split_tool_calls
-from primerl_embedded.engine import Engine, RequestError, SamplingParams, Sequence
-from primerl_embedded.frontend import TokenizerFrontend, error
+from primerl_embedded.engine import KV_MISSING, Engine, QueueFull, RequestError, SamplingParams, Sequence
+from primerl_embedded.frontend import Guard, TokenizerFrontend, error
 from primerl_embedded.protocol import (
     ChatCompletionRequest,
     ChatTokensRequest,
@@ -51,8 +57,6 @@ from primerl_embedded.protocol import (
     TokenizeRequest,
     WeightUpdateRequest,
 )
-
-MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
 class Handlers(TokenizerFrontend):
@@ -77,9 +81,10 @@ class Handlers(TokenizerFrontend):
         return lambda: adopt(pairs)
 
     # ---- running requests on the engine ------------------------------------------------------
-    async def run(self, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
+    async def run(self, prompt_ids: list[int], params: SamplingParams, phase: str | None = None) -> list[Sequence]:
         """Submit one prompt's ``params.n`` sequences and wait for all of them; a cancelled
-        request (the client went away, the server is stopping) aborts them."""
+        request (the client went away, the server is stopping) aborts them. ``phase``: P/D's
+        ``"prefill"`` or ``"decode"`` (:func:`pd_phase`)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         remaining = [params.n]
@@ -89,7 +94,7 @@ class Handlers(TokenizerFrontend):
             if remaining[0] == 0:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
 
-        seqs = self.engine.submit(prompt_ids, params, on_done=done)
+        seqs = self.engine.submit(prompt_ids, params, on_done=done, phase=phase)
         try:
             await fut
         except asyncio.CancelledError:
@@ -168,7 +173,7 @@ class Handlers(TokenizerFrontend):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(self.started),
                                             "owned_by": "primerl", "max_model_len": self.engine.max_model_len}]}
 
-    async def completions(self, req: CompletionRequest) -> Any:
+    async def completions(self, req: PDCompletionRequest) -> Any:
         try:
             prompts, texts = self.prompts_of(req)
         except ValueError as exc:
@@ -176,12 +181,21 @@ class Handlers(TokenizerFrontend):
         # echo + logprobs: the engine scores the prompt (a logprob per token after the first)
         params = self.params_from(req, req.max_tokens, req.logprobs,
                                   prompt_logprobs=req.logprobs if req.echo else None)
+        phase = pd_phase(req)
         try:
             for ids in prompts:
                 self.engine.validate(ids, params)
-            results = await asyncio.gather(*(self.run(ids, params) for ids in prompts))
+            if phase == "prefill":
+                return await self.prefill(prompts)
+            if phase == "decode" and (differs := handoff_differs(req, prompts)) is not None:
+                return differs
+            results = await asyncio.gather(*(self.run(ids, params, phase) for ids in prompts))
+        except QueueFull as exc:
+            return busy(exc)
         except RequestError as exc:
             return error(400, str(exc))
+        if phase == "decode" and (missing := kv_missing(s for r in results for s in r)) is not None:
+            return missing
         choices: list[api.CompletionChoice] = []
         for ids, text, seqs in zip(prompts, texts, results):
             for seq in seqs:
@@ -197,15 +211,25 @@ class Handlers(TokenizerFrontend):
             id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()), model=self.model_name,
             choices=choices, usage=self.usage(sum(len(i) for i in prompts), [s for r in results for s in r]))
 
-    async def chat_completion(self, req: ChatCompletionRequest, ids: list[int]) -> Any:
+    async def chat_completion(self, req: PDChatRequest, ids: list[int]) -> Any:
         """A chat turn from its prompt's token ids (rendered messages, or given tokens)."""
         top = req.top_logprobs if req.logprobs else None
         params = self.params_from(req, req.max_completion_tokens or req.max_tokens,
                                   (top or 0) if req.logprobs else None)
+        phase = pd_phase(req)
         try:
-            seqs = await self.run(ids, params)
+            if phase == "prefill":
+                self.engine.validate(ids, params)
+                return await self.prefill([ids])
+            if phase == "decode" and (differs := handoff_differs(req, [ids])) is not None:
+                return differs
+            seqs = await self.run(ids, params, phase)
+        except QueueFull as exc:
+            return busy(exc)
         except RequestError as exc:
             return error(400, str(exc))
+        if phase == "decode" and (missing := kv_missing(seqs)) is not None:
+            return missing
         choices: list[api.ChatChoice] = []
         for i, seq in enumerate(seqs):
             text, finish = self.text_of(seq), seq.finish_reason
@@ -226,7 +250,7 @@ class Handlers(TokenizerFrontend):
             id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion", created=int(time.time()),
             model=self.model_name, choices=choices, prompt_token_ids=ids, usage=self.usage(len(ids), seqs))
 
-    async def chat(self, req: ChatCompletionRequest) -> Any:
+    async def chat(self, req: PDChatRequest) -> Any:
         try:
             ids = self.render(req.template_messages(), req.template_tools(), req.add_generation_prompt,
                               req.chat_template_kwargs)
@@ -234,10 +258,27 @@ class Handlers(TokenizerFrontend):
             return error(400, str(exc), "messages")
         return await self.chat_completion(req, ids)
 
-    async def chat_tokens(self, req: ChatTokensRequest) -> Any:
+    async def chat_tokens(self, req: PDChatTokensRequest) -> Any:
         """A chat turn whose prompt arrives as token ids: the engine's own tokens of the earlier
         turns plus the new turn's, so nothing the model produced is re-tokenized."""
         return await self.chat_completion(req, list(req.tokens))
+
+    async def prefill(self, prompts: list[list[int]]) -> dict[str, Any]:
+        """P/D's prefill phase: run every prompt, sample nothing, and write its KV blocks (with
+        their routed experts) to the KV store every server shares; answer what the decode
+        server needs, as ``kv_transfer_params`` to send along with the same request."""
+        results = await asyncio.gather(*(self.run(ids, SamplingParams(max_tokens=0), "prefill") for ids in prompts))
+        return {
+            "id": f"prefill-{uuid.uuid4().hex}", "object": "primerl.prefill", "created": int(time.time()),
+            "model": self.model_name,
+            "usage": self.usage(sum(len(i) for i in prompts), []),
+            "kv_transfer_params": {
+                "do_remote_prefill": True, "block_size": self.engine.handoff.block_size,
+                # per prompt: its ids, the full blocks the store holds, the weights that computed them
+                "prompts": [{"prompt_token_ids": ids, "blocks": seqs[0].handoff_blocks,
+                             "policy_version": seqs[0].kv_version} for ids, seqs in zip(prompts, results)],
+            },
+        }
 
     async def tokenize(self, req: TokenizeRequest) -> Any:
         if (req.prompt is None) == (req.messages is None):
@@ -310,6 +351,54 @@ class Handlers(TokenizerFrontend):
                                waiting=len(e.waiting), kv_usage=e.kv_usage())
 
 
+# ---- prefill/decode disaggregation ----------------------------------------------------------------
+# A P/D request is an ordinary completion or chat request with vLLM's ``kv_transfer_params``:
+# ``{"do_remote_decode": true}`` asks for the prefill phase (Handlers.prefill answers the params
+# of the decode phase), ``{"do_remote_prefill": true, ...}`` (that answer) for the decode phase.
+# Without them a request runs whole, on any server.
+
+
+class PDCompletionRequest(CompletionRequest):
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class PDChatRequest(ChatCompletionRequest):
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class PDChatTokensRequest(ChatTokensRequest):
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def pd_phase(req: Any) -> str | None:
+    """``"prefill"``, ``"decode"`` or None (a whole request) from the request's ``kv_transfer_params``."""
+    kv = getattr(req, "kv_transfer_params", None) or {}
+    if kv.get("do_remote_decode"):
+        return "prefill"
+    if kv.get("do_remote_prefill"):
+        return "decode"
+    return None
+
+
+def handoff_differs(req: Any, prompts: list[list[int]]) -> JSONResponse | None:
+    """A 400 when a decode phase's prompts are not the ones its prefill ran (a client bug)."""
+    given = [p.get("prompt_token_ids") for p in req.kv_transfer_params.get("prompts") or [] if isinstance(p, dict)]
+    if given and given != prompts:
+        return error(400, "the decode request's prompt differs from the one its kv_transfer_params were "
+                          "prefilled for: send the prefill phase's answer with the same request", "kv_transfer_params")
+    return None
+
+
+def kv_missing(seqs: Any) -> JSONResponse | None:
+    """409 ``kv_missing`` when a decode phase did not find its prompt's blocks in the KV store:
+    the client runs the prefill again."""
+    if any(s.finish_reason == KV_MISSING for s in seqs):
+        return error(409, "the prompt's KV blocks are not in the KV store (evicted, their server left the pool, "
+                          "or the weights changed since the prefill): run the prefill phase again",
+                     "kv_transfer_params", kind=KV_MISSING)
+    return None
+
+
 # ---- the app ------------------------------------------------------------------------------------
 
 
@@ -323,22 +412,23 @@ async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error(exc.status_code, str(exc.detail))
 
 
-async def _limit_body(request: Request, call_next):
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        return error(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES}")
-    return await call_next(request)
+def busy(exc: QueueFull) -> JSONResponse:
+    """503 with Retry-After: the engine's queue is full; the server keeps serving what it holds."""
+    response = error(503, str(exc), kind="server_busy")
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def create_app(engine: Engine, tokenizer: Any, model_name: str,
-               load_weights: Callable[[str], Any] | None = None) -> FastAPI:
-    """The app: :class:`Handlers` routed at :mod:`primerl.inference`'s endpoints."""
+               load_weights: Callable[[str], Any] | None = None, *, api_key: str | None = None) -> FastAPI:
+    """The app: :class:`Handlers` routed at :mod:`primerl.inference`'s endpoints, behind the
+    :class:`~primerl_embedded.frontend.Guard` (API key, body size)."""
     h = Handlers(engine, tokenizer, model_name, load_weights)
     app = FastAPI(title="primerl embedded inference")
     app.state.handlers = h
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
-    app.middleware("http")(_limit_body)
+    app.add_middleware(Guard, api_key=api_key)
     for method, path, handler in [
         ("GET", api.HEALTH, h.health),
         ("GET", api.MODELS, h.models),

@@ -92,7 +92,9 @@ def vllm_command(cfg: Any, model_dir: str | Path, port: int) -> list[str]:
     if inf.kv_offload_gib > 0:
         cmd += ["--kv-offloading-size", str(inf.kv_offload_gib), "--kv-offloading-backend", inf.kv_offload_backend]
     store_connector, _ = inf.kv_store_connector(kv_dir(cfg))
-    if inf.kv_transfer_config or store_connector:
+    if getattr(inf, "role", "both") != "both":  # a prefill or decode server of a P/D run
+        cmd += ["--kv-transfer-config", pd_transfer_config(inf.role, inf.kv_transfer_config)]
+    elif inf.kv_transfer_config or store_connector:
         cmd += ["--kv-transfer-config", inf.kv_transfer_config or store_connector]
     if inf.routed_experts_on(cfg):
         cmd.append("--enable-return-routed-experts")
@@ -101,6 +103,21 @@ def vllm_command(cfg: Any, model_dir: str | Path, port: int) -> list[str]:
     if cfg.trainer.weight_channel == "nccl":  # the trainer sends weights over NCCL (weight_transfer.py)
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     return cmd + list(inf.extra_args)
+
+
+# prefill/decode disaggregation: a server's inference.role -> vLLM's KV connector role
+PD_KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+PD_DEFAULT_CONNECTOR = "NixlConnector"  # or MooncakeConnector, through inference.kv_transfer_config
+
+
+def pd_transfer_config(role: str, kv_transfer_config: str | None) -> str:
+    """``--kv-transfer-config`` of a prefill (``kv_producer``) or decode (``kv_consumer``)
+    server: ``inference.kv_transfer_config`` with its ``kv_role`` set to the server's role, or
+    NixlConnector when none is given. The vllm-router in P/D mode (``--vllm-pd-disaggregation
+    --prefill URL --decode URL``) then sends each request to both (docs/kv_stores.md,
+    "Prefill/decode"). vLLM returns no routed experts with these connectors."""
+    base = json.loads(kv_transfer_config) if kv_transfer_config else {"kv_connector": PD_DEFAULT_CONNECTOR}
+    return json.dumps({**base, "kv_role": PD_KV_ROLES[role]})
 
 
 def kv_dir(cfg: Any) -> str:

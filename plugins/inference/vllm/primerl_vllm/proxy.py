@@ -49,7 +49,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from primerl_embedded import protocol
-from primerl_embedded.frontend import TokenizerFrontend, error
+from primerl_embedded.frontend import Guard, TokenizerFrontend, error
 from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -57,7 +57,6 @@ from primerl import inference as api
 from primerl.envs.multiturn import split_tool_calls
 from primerl_vllm.weight_transfer import NCCL_MARKER, PREFIX
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
 GENERATE = "/inference/v1/generate"
 # vLLM's pause: requests in flight stay in the engine with their KV cache (clear_cache would
 # preempt them and prefill them again under the new weights); new requests never reuse older
@@ -653,22 +652,16 @@ async def _upstream(_req: Request, exc: UpstreamError) -> JSONResponse:
     return upstream_error(exc)
 
 
-async def _limit_body(request: Request, call_next):
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        return error(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES}")
-    return await call_next(request)
-
-
-def create_app(proxy: Proxy) -> FastAPI:
-    """The app: :class:`Proxy` routed at :mod:`primerl.inference`'s endpoints."""
+def create_app(proxy: Proxy, *, api_key: str | None = None) -> FastAPI:
+    """The app: :class:`Proxy` routed at :mod:`primerl.inference`'s endpoints, behind the
+    embedded server's :class:`~primerl_embedded.frontend.Guard` (API key, body size)."""
     app = FastAPI(title="primerl vLLM inference")
     app.state.proxy = proxy
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(httpx.HTTPError, _upstream_down)
     app.add_exception_handler(UpstreamError, _upstream)
-    app.middleware("http")(_limit_body)
+    app.add_middleware(Guard, api_key=api_key)
     app.router.on_shutdown.append(proxy.close)
 
     async def completions(req: CompletionRequest) -> Any:

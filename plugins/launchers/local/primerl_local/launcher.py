@@ -4,7 +4,10 @@
 it here. We start ``primerl inference``, ``primerl orchestrator`` and ``primerl trainer``
 as separate processes (each reads that file), send each one's output to
 ``OUTPUT_DIR/logs/<name>.log``, and follow ``OUTPUT_DIR/metrics.jsonl`` to draw a live
-view. The run ends when the trainer finishes its last step.
+view. The run ends when the trainer finishes its last step. Before anything starts,
+:func:`primerl.resume.prepare_run` decides whether the directory's run continues (the same
+command again resumes an unfinished run from its newest usable checkpoint), starts over, or
+is refused (a finished run, another config).
 
 Replicas: ``inference.replicas`` N > 1 starts N inference servers, ``inference-<i>``
 (logs ``logs/inference-<i>.log``), each ``primerl inference @ config.toml
@@ -14,6 +17,14 @@ orchestrator and the trainer find the servers. The orchestrator survives a serve
 dies (its requests are re-sent to the others), so one inference process exiting is shown
 and the run goes on; only when every one has exited (or the only one, with N = 1) does the
 launcher stop the run.
+
+Prefill/decode: ``inference.prefill_replicas`` P and ``decode_replicas`` D (both set) start
+P servers ``inference-prefill-<i>`` and D servers ``inference-decode-<j>`` instead, each with
+``--inference.role`` after its port; their URLs go into the config as
+``inference.prefill_urls`` and ``decode_urls`` (``inference.urls``: all of them, prefill
+first). With ``inference.kv_store = "disk"`` they share one block directory, the run's
+``kv/`` (``PRIMERL_KV_DISK_DIR`` and ``PRIMERL_KV_DISK_SHARED=1`` in their environment,
+unless already set), through which prefill servers hand prompts' KV to decode servers.
 
 No orphans, whatever happens: each child runs in its own process group (so its own
 children go with it) and asks the kernel to SIGTERM it if the launcher dies. On Ctrl-C,
@@ -38,6 +49,7 @@ from pathlib import Path
 from primerl.children import own_group_and_die_with_parent
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
+from primerl.resume import prepare_run
 from primerl.rundir import RunDir
 
 CHILDREN = ("inference", "orchestrator", "trainer")  # kinds of child; inference may be N replicas
@@ -61,9 +73,33 @@ def _port_free(host: str, port: int) -> bool:
 
 def inference_names(cfg: RunConfig) -> list[str]:
     """The inference children's names (and log names): ``inference``, or ``inference-<i>``
-    for each of ``inference.replicas`` > 1."""
-    n = cfg.inference.replicas
+    for each of ``inference.replicas`` > 1; with prefill/decode, ``inference-prefill-<i>``
+    then ``inference-decode-<j>``."""
+    inf = cfg.inference
+    if inf.disaggregated():
+        return ([f"inference-prefill-{i}" for i in range(inf.prefill_replicas)]
+                + [f"inference-decode-{j}" for j in range(inf.decode_replicas)])
+    n = inf.replicas
     return ["inference"] if n == 1 else [f"inference-{i}" for i in range(n)]
+
+
+def inference_roles(cfg: RunConfig) -> list[str | None]:
+    """Each inference child's ``--inference.role`` (None: a whole-request server), in
+    :func:`inference_names`' order."""
+    inf = cfg.inference
+    if inf.disaggregated():
+        return ["prefill"] * inf.prefill_replicas + ["decode"] * inf.decode_replicas
+    return [None] * len(inference_names(cfg))
+
+
+def set_inference_urls(cfg: RunConfig, ports: list[int]) -> None:
+    """Write the servers' URLs into ``cfg`` (``inference.urls``; with prefill/decode also
+    ``prefill_urls`` and ``decode_urls``), where the orchestrator and trainer find them."""
+    inf = cfg.inference
+    inf.port = ports[0]
+    inf.urls = [f"http://{inf.host}:{p}" for p in ports]
+    if inf.disaggregated():
+        inf.prefill_urls, inf.decode_urls = inf.urls[: inf.prefill_replicas], inf.urls[inf.prefill_replicas:]
 
 
 def pick_ports(host: str, first: int, n: int) -> list[int]:
@@ -77,22 +113,29 @@ def pick_ports(host: str, first: int, n: int) -> list[int]:
     return ports
 
 
-def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None = None) -> list[str]:
+def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None = None,
+                  role: str | None = None) -> list[str]:
     """``primerl <name> @ config.toml`` (an inference replica: ``--inference.port port`` after
-    it); a trainer of ``trainer.nproc`` > 1 ranks under torchrun (standalone: one node, its
-    own rendezvous on a free port)."""
+    it, and ``--inference.role role`` for a prefill or decode server); a trainer of
+    ``trainer.nproc`` > 1 ranks under torchrun (standalone: one node, its own rendezvous on a
+    free port)."""
     cmd = ["-m", "primerl.cli", name, "@", str(run_dir.config)]
     if port is not None:
         cmd += ["--inference.port", str(port)]
+    if role is not None:
+        cmd += ["--inference.role", role]
     if name == "trainer" and cfg.trainer.nproc > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={cfg.trainer.nproc}", *cmd]
     return [sys.executable, *cmd]
 
 
-def child_env(name: str, cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
-    """The trainer's ranks share its share of the cores; so do the inference replicas."""
-    split = {"trainer": cfg.trainer.nproc, "inference": cfg.inference.replicas}.get(name, 1)
+def child_env(name: str, cfg: RunConfig, env: dict[str, str], run_dir: RunDir | None = None) -> dict[str, str]:
+    """The trainer's ranks share its share of the cores; so do the inference servers. With
+    prefill/decode and the disk KV store, the servers share ``run_dir``'s ``kv/``."""
+    if name == "inference" and cfg.inference.disaggregated() and cfg.inference.kv_store == "disk" and run_dir:
+        env = {"PRIMERL_KV_DISK_DIR": str(run_dir.root / "kv"), "PRIMERL_KV_DISK_SHARED": "1", **env}
+    split = {"trainer": cfg.trainer.nproc, "inference": len(inference_names(cfg))}.get(name, 1)
     if split == 1:
         return env
     threads = str(max(1, int(env["OMP_NUM_THREADS"]) // split))
@@ -109,23 +152,17 @@ class LocalLauncher:
     def launch(self, cfg: RunConfig) -> int:
         run_dir = RunDir(Path(cfg.output_dir).resolve())
         out = run_dir.root
-        done = run_dir.checkpoint_steps()
-        if done and max(done) >= cfg.max_steps:
-            raise PrimerlError(
-                f"{out} already holds a finished run ({max(done)} steps, max_steps is {cfg.max_steps}); "
-                f"nothing is overwritten. Use another --output-dir, delete that one, or raise --max-steps "
-                f"to continue training from its last checkpoint."
-            )
+        # a finished run or another config is refused; an unfinished run continues from its
+        # newest usable checkpoint, what came after it set aside (primerl.resume)
+        for note in prepare_run(cfg).notes:
+            print(note, flush=True)
         run_dir.logs.mkdir(parents=True, exist_ok=True)
-        if run_dir.metrics.exists() and not done:  # keep an earlier run's metrics beside the new ones
-            run_dir.metrics.rename(run_dir.metrics.with_name(f"metrics.{int(time.time())}.jsonl"))
         names = inference_names(cfg)
         if len(names) > 1 and getattr(cfg.inference, "vllm_port", 0):
             raise PrimerlError(f"inference.vllm_port ({cfg.inference.vllm_port}) fixes vLLM's own port, which "
                                f"{len(names)} inference replicas cannot share: leave it 0 (a free port each)")
         ports = pick_ports(cfg.inference.host, cfg.inference.port, len(names))
-        cfg.inference.port = ports[0]
-        cfg.inference.urls = [f"http://{cfg.inference.host}:{p}" for p in ports]
+        set_inference_urls(cfg, ports)
         cfg.output_dir = str(out)
         run_dir.config.write_text(dump_toml(to_dict(cfg)))
 
@@ -141,13 +178,15 @@ class LocalLauncher:
 
         view = LiveView(cfg, run_dir)
         try:
-            children = [(name, "inference", port) for name, port in zip(names, ports)]
-            children += [(kind, kind, None) for kind in CHILDREN if kind != "inference"]
-            for name, kind, port in children:
+            children = [(name, "inference", port, role)
+                        for name, port, role in zip(names, ports, inference_roles(cfg))]
+            children += [(kind, kind, None, None) for kind in CHILDREN if kind != "inference"]
+            for name, kind, port, role in children:
                 log = open(run_dir.log(name), "w")  # noqa: SIM115 - the child keeps it as its stdout
                 procs[name] = subprocess.Popen(
-                    child_command(kind, cfg, run_dir, port), stdout=log, stderr=subprocess.STDOUT,
-                    env=child_env(kind, cfg, env), preexec_fn=own_group_and_die_with_parent, cwd=os.getcwd(),
+                    child_command(kind, cfg, run_dir, port, role), stdout=log, stderr=subprocess.STDOUT,
+                    env=child_env(kind, cfg, env, run_dir), preexec_fn=own_group_and_die_with_parent,
+                    cwd=os.getcwd(),
                 )
             gone: list[str] = []  # inference replicas that exited, in the order seen
             with view:

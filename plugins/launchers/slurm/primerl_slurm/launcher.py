@@ -44,6 +44,7 @@ import attrs
 
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
+from primerl.resume import prepare_run
 from primerl.rundir import RunDir
 from primerl_slurm.config import SlurmConfig
 from primerl_slurm.scripts import BATCH, layout, write_scripts
@@ -72,12 +73,10 @@ class SlurmLauncher:
             raise PrimerlError("the slurm launcher needs its [launcher] keys: set launcher.name = 'slurm' in the config")
         run_dir = RunDir(Path(cfg.output_dir).resolve())
         out = run_dir.root
-        done = run_dir.checkpoint_steps()
-        if done and max(done) >= cfg.max_steps:
-            raise PrimerlError(
-                f"{out} already holds a finished run ({max(done)} steps, max_steps is {cfg.max_steps}); "
-                f"nothing is overwritten. Use another --output-dir, delete that one, or raise --max-steps "
-                f"to continue training from its last checkpoint.")
+        # a finished run or another config is refused; an unfinished run continues from its
+        # newest usable checkpoint (primerl.resume; the job runs it again when Slurm requeues)
+        for note in prepare_run(cfg, dry_run=lc.dry_run).notes:
+            print(note, flush=True)
         try:
             lay = layout(cfg)
         except ValueError as exc:
@@ -117,8 +116,6 @@ class SlurmLauncher:
         sbatch = shutil.which("sbatch")
         if sbatch is None:
             raise PrimerlError(f"sbatch not found on PATH: {INSTALL}")
-        if run_dir.metrics.exists() and not done:  # keep an earlier run's metrics beside the new ones
-            run_dir.metrics.rename(run_dir.metrics.with_name(f"metrics.{int(time.time())}.jsonl"))
         r = subprocess.run([sbatch, "--parsable", str(batch)], env=env, capture_output=True, text=True)
         if r.returncode != 0 or not r.stdout.strip():
             raise PrimerlError(f"sbatch refused the job ({batch}): {_one_line(r.stderr or r.stdout)}")

@@ -197,6 +197,10 @@ finish() {{
 trap 'finish 143 job "the job was cancelled (SIGTERM)"' TERM
 trap 'finish 130 job "the job was interrupted (SIGINT)"' INT
 
+# a requeued job continues from the newest usable checkpoint: what came after it is set aside
+"$PRIMERL_PY" -m primerl.resume {_q(str(run_dir.root))} --keep "logs/slurm-$SLURM_JOB_ID.out" \
+  || finish 2 job "the run directory could not be prepared to resume (its log: logs/slurm-$SLURM_JOB_ID.out)"
+
 # the nodes, and the roles on them
 mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 [ "${{#HOSTS[@]}}" -eq {lay.nodes} ] || finish 1 job "expected {lay.nodes} node(s), Slurm gave ${{#HOSTS[@]}}: $SLURM_JOB_NODELIST"

@@ -1,0 +1,461 @@
+"""Resuming a run: the checkpoint it continues from, the configs that may continue it, and
+what an interrupted attempt left beyond that checkpoint.
+
+A run stopped at any moment (Ctrl-C, a crashed process, a lost node, a Slurm requeue)
+continues when the same command runs again into its output directory: no step lost, none
+trained twice, the same task order. Three pieces make that work:
+
+* :func:`usable_checkpoint`: the newest ``checkpoints/step_s`` whose files are whole
+  (:func:`check_checkpoint`: every size in its manifest, the safetensors headers, the
+  optimizer's DCP metadata and the extent of every item in it, the CRCs of the trainer
+  state). The trainer and the orchestrator each pick it at start, on their own, so they
+  must agree: the check is deterministic and reads headers, not tensors. A checkpoint that
+  passes it but still fails to load stops the trainer, which sets it aside
+  (:func:`set_aside_checkpoint`), so the next attempt falls back to the one before.
+* :func:`prepare` (launchers call :func:`prepare_run`; a batch script that starts the
+  processes itself runs ``python -m primerl.resume OUT`` first): before any process starts,
+  refuse a finished run and a config that differs from the recorded one in a key that
+  matters (every key but :data:`MAY_CHANGE`), and set aside what the interrupted attempt
+  left beyond step s (its rollouts, metric lines, logs, unusable checkpoints; its weights
+  beyond s are deleted, the trainer publishes them again) into ``OUT/previous-<time>/``,
+  so neither process reads a stale file. With no usable checkpoint the run starts over and
+  every earlier file goes there. Nothing recorded is deleted.
+* the data position, kept by the orchestrator (``primerl.orchestrator.main``) next to each
+  batch and copied by the trainer into each checkpoint; see docs/architecture.md,
+  "Checkpoint and resume".
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import pickle
+import shutil
+import sys
+import time
+import zipfile
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from primerl.errors import PrimerlError
+from primerl.rundir import (
+    MANIFEST,
+    OPTIMIZER_DIR,
+    ORCHESTRATOR_STATE,
+    PREVIOUS_PREFIX,
+    SHM_LINK,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    RunDir,
+    parse_step,
+    step_name,
+    write_atomically,
+)
+
+# config keys that may differ when a run is continued: where it runs and how it is served
+# or laid out, not what it trains (checkpoints reshard onto any trainer layout); raising
+# max_steps continues training (a cosine or linear decay then stretches to the new end)
+MAY_CHANGE = (
+    "max_steps", "output_dir",
+    "inference.host", "inference.*port", "inference.*urls", "inference.api_key", "inference.*replicas",
+    "inference.role", "inference.max_queue",
+    "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.nproc", "trainer.parallelism",
+    "trainer.parallel.*",
+    "orchestrator.eval_every", "orchestrator.eval_tasks", "orchestrator.eval_temperature",
+    "launcher.*",
+)
+# what a run writes, set aside when it starts over (the launcher rewrites config.toml)
+RUN_FILES = ("config.toml", "metrics.jsonl", "reward.png", "rollouts", "weights", "checkpoints", "logs")
+
+Log = Callable[[str], None]
+
+
+# ---- checkpoints -----------------------------------------------------------------------
+
+
+def check_checkpoint(ckpt: Path) -> str | None:
+    """What makes ``checkpoints/step_n`` unusable, in a few words; None when it is whole."""
+    try:
+        return _check(Path(ckpt))
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+
+
+def _check(ckpt: Path) -> str | None:
+    state = ckpt / TRAINER_STATE
+    if not state.is_file():
+        return f"{TRAINER_STATE} is missing (it was never completed)"
+    manifest = ckpt / MANIFEST
+    if manifest.is_file():  # checkpoints of older primerl have none
+        try:
+            sizes = json.loads(manifest.read_text())["files"]
+            items = [(str(k), int(v)) for k, v in sizes.items()]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return f"{MANIFEST} is garbled"
+        for rel, size in items:
+            f = ckpt / rel
+            if not f.is_file():
+                return f"{rel} is missing"
+            if f.stat().st_size != size:
+                return f"{rel} has {f.stat().st_size} bytes, {size} were written"
+    weights = sorted(ckpt.glob("*.safetensors"))
+    if not weights:
+        return "it holds no model weights (*.safetensors)"
+    for f in weights:
+        problem = _check_safetensors(f)
+        if problem:
+            return f"{f.name} {problem}"
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return f"{index.name} is garbled"
+        missing = sorted(s for s in shards if not (ckpt / s).is_file())
+        if missing:
+            return f"{missing[0]} is missing"
+    problem = _check_dcp(ckpt / OPTIMIZER_DIR)
+    if problem:
+        return problem
+    try:
+        with zipfile.ZipFile(state) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, EOFError, ValueError):
+        return f"{TRAINER_STATE} is garbled"
+    if bad is not None:
+        return f"{TRAINER_STATE} is garbled ({bad} fails its CRC)"
+    orch = ckpt / ORCHESTRATOR_STATE
+    if orch.is_file():
+        try:
+            json.loads(orch.read_text())
+        except ValueError:
+            return f"{ORCHESTRATOR_STATE} is garbled"
+    return None
+
+
+def _check_safetensors(f: Path) -> str | None:
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"is truncated ({size} bytes)"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"is truncated or garbled (its header claims {n} bytes, the file has {size})"
+        try:
+            header = json.loads(fh.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return "has a garbled header"
+    if 8 + n + end > size:
+        return f"is truncated ({size} bytes, its header needs {8 + n + end})"
+    return None
+
+
+def _check_dcp(opt: Path) -> str | None:
+    """The optimizer's ``torch.distributed.checkpoint``: its metadata unpickles and every item
+    it lists lies inside its file."""
+    if not opt.is_dir():
+        return f"{OPTIMIZER_DIR}/ (the optimizer state) is missing"
+    meta = opt / ".metadata"
+    if not meta.is_file():
+        return f"{OPTIMIZER_DIR}/.metadata is missing"
+    try:
+        with open(meta, "rb") as fh:
+            md = pickle.load(fh)  # our own trainer's file, read as torch's reader does
+        ends: dict[str, int] = {}
+        for info in md.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    except Exception:  # noqa: BLE001 - garbage unpickles into any exception
+        return f"{OPTIMIZER_DIR}/.metadata is garbled"
+    for rel, end in sorted(ends.items()):
+        f = opt / rel
+        if not f.is_file():
+            return f"{OPTIMIZER_DIR}/{rel} is missing"
+        if f.stat().st_size < end:
+            return f"{OPTIMIZER_DIR}/{rel} is truncated ({f.stat().st_size} bytes, its items need {end})"
+    return None
+
+
+def survey(run: RunDir) -> tuple[int | None, list[tuple[int, str]]]:
+    """(the newest usable checkpoint's step or None, the newer complete ones that are not,
+    each with its problem, newest first)."""
+    unusable = []
+    for n in reversed(run.checkpoint_steps()):
+        problem = check_checkpoint(run.checkpoint(n))
+        if problem is None:
+            return n, unusable
+        unusable.append((n, problem))
+    return None, unusable
+
+
+def usable_checkpoint(run: RunDir, log: Log | None = None) -> tuple[int, Path] | None:
+    """The newest checkpoint whose files are whole; each newer one passed over is logged."""
+    good, unusable = survey(run)
+    for n, problem in unusable:
+        if log is not None:
+            log(f"checkpoints/{step_name(n)} is unusable ({problem}): falling back to the one before")
+    return (good, run.checkpoint(good)) if good is not None else None
+
+
+def manifest(ckpt: Path) -> dict[str, Any]:
+    """``manifest.json``'s content for a checkpoint directory written so far: every file's size."""
+    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    return {"files": {k: v for k, v in files.items() if k != MANIFEST}}
+
+
+def set_aside_checkpoint(run: RunDir, n: int) -> Path:
+    """Move ``checkpoints/step_n`` into ``previous-<time>/checkpoints/`` (it failed to load)."""
+    dest = _previous(run) / "checkpoints" / step_name(n)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(run.checkpoint(n), dest)
+    return dest
+
+
+# ---- metrics ---------------------------------------------------------------------------
+
+
+def trim_metrics(run: RunDir, last_step: int, previous: Path | None = None) -> Path | None:
+    """Keep the metric lines of steps up to ``last_step`` (steps after it are trained again);
+    when there are others, the whole file is first copied into ``previous`` (a fresh
+    ``previous-<time>/`` when None). Returns where the copy went, or None."""
+    path = run.metrics
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if int(json.loads(line).get("step", 0)) <= last_step:
+                kept.append(line + "\n")
+        except (ValueError, AttributeError, TypeError):
+            continue
+    if len(kept) == len(lines):
+        return None
+    previous = previous or _previous(run)
+    previous.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(path, previous / path.name)
+    write_atomically(path, lambda tmp: tmp.write_text("".join(kept)))
+    return previous / path.name
+
+
+# ---- configs ---------------------------------------------------------------------------
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat(v, key + "."))
+        elif v is not None:
+            out[key] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def may_change(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE)
+
+
+def config_changes(recorded: Path, cfg: Any) -> list[tuple[str, Any, Any]]:
+    """(key, recorded value, new value) for every key but :data:`MAY_CHANGE` that differs
+    between the run's ``config.toml`` and ``cfg`` (None: absent)."""
+    from primerl.config import ConfigSources, dump_toml, load_config, to_dict, tomllib
+
+    new = _flat(to_dict(cfg))
+    try:  # through the loader, so keys added since the run was recorded take their defaults
+        old = _flat(to_dict(load_config(ConfigSources(files=[str(recorded)]))))
+    except Exception:  # noqa: BLE001 - it no longer loads (a plugin gone, a key renamed): compare the text
+        old = _flat(tomllib.loads(recorded.read_text()))
+        new = _flat(tomllib.loads(dump_toml(to_dict(cfg))))
+    return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k) and not may_change(k)]
+
+
+def _show(v: Any) -> str:
+    return "(unset)" if v is None else json.dumps(v) if isinstance(v, str) else repr(v)
+
+
+# ---- before a run starts ---------------------------------------------------------------
+
+
+@attrs.frozen
+class Resume:
+    """What :func:`prepare` decided."""
+
+    step: int | None  # the checkpoint's step the run continues from; None: from the start
+    set_aside: Path | None  # the previous-<time>/ folder that received earlier files, if any
+    notes: tuple[str, ...]  # what was decided and done, one line each, for the user
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _previous(run: RunDir) -> Path:
+    """A fresh ``previous-<time>`` path (not created)."""
+    base = run.previous(_stamp())
+    path, i = base, 1
+    while path.exists():
+        path, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return path
+
+
+def _move(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(src, dest)
+
+
+def _nonempty(p: Path) -> bool:
+    return p.is_file() or (p.is_dir() and any(p.iterdir()))
+
+
+def _delete_weights(d: Path) -> None:
+    link = d / SHM_LINK
+    if link.is_symlink():
+        Path(os.readlink(link)).unlink(missing_ok=True)  # the tmpfs file behind it
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _rel(run: RunDir, p: Path) -> str:
+    return str(p.relative_to(run.root))
+
+
+def prepare(run: RunDir, max_steps: int, *, config: Any = None, overwrite: bool = False,
+            keep: Iterable[str] = (), dry_run: bool = False) -> Resume:
+    """Get ``run`` ready for its processes to start (see the module docstring).
+
+    ``config``: the new run's config, compared with the recorded ``config.toml`` (None: the
+    recorded one is what runs, as in a requeued batch job). ``overwrite``: start afresh,
+    every earlier file set aside. ``keep``: paths relative to the run directory never moved
+    (a batch script's own log). ``dry_run``: decide and refuse, but move nothing.
+    Raises :class:`PrimerlError` (one line) for a finished run or a config that differs.
+    """
+    root = run.root
+    keep = {str(Path(k)) for k in keep}
+    if not root.is_dir():
+        return Resume(None, None, ())
+    if overwrite:
+        present = [p for p in sorted(root.iterdir()) if not p.name.startswith(PREVIOUS_PREFIX) and p.name not in keep]
+        if not present:
+            return Resume(None, None, ())
+        previous = _previous(run)
+        if not dry_run:
+            for p in present:
+                _move(p, previous / p.name)
+        return Resume(None, previous, (f"--overwrite: starting afresh; the earlier files of {root} are in "
+                                       f"{previous}",))
+    good, unusable = survey(run)
+    notes = [f"checkpoints/{step_name(n)} is unusable ({problem}): falling back to the one before"
+             for n, problem in unusable]
+    previous = _previous(run)
+    moves: list[Path] = []  # relative to the run directory, moved into previous/
+    copies: list[Path] = []  # copied into previous/
+    deletes: list[Path] = []  # partial writes, and weights the trainer publishes again
+    if good is None:
+        logs = [f for f in sorted(run.logs.iterdir()) if _rel(run, f) not in keep] if run.logs.is_dir() else []
+        if not logs and not any(_nonempty(root / name) for name in RUN_FILES if name not in ("config.toml", "logs")):
+            return Resume(None, None, tuple(notes))
+        # the recorded config.toml is what is about to run when no new config is given: copied, not moved
+        whole_logs = run.logs.is_dir() and len(logs) == len(list(run.logs.iterdir()))
+        moves = [root / name for name in RUN_FILES if name != "logs" and (root / name).exists()
+                 and not (name == "config.toml" and config is None)] + ([run.logs] if whole_logs else logs)
+        if config is None and run.config.is_file():
+            copies.append(run.config)
+        notes.append(f"{root} holds an earlier attempt with no usable checkpoint: starting over; its files "
+                     f"are kept in {previous}")
+    else:
+        if config is not None and run.config.is_file():
+            changes = config_changes(run.config, config)
+            if changes:
+                shown = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in changes)
+                raise PrimerlError(
+                    f"{root} holds an unfinished run (checkpoint at step {good}) with another config: {shown}; run "
+                    f"its own config again to resume it (recorded in {run.config}), or add --overwrite to start "
+                    f"afresh (its files are then kept in {root}/{PREVIOUS_PREFIX}<time>/)")
+        if good >= max_steps:
+            raise PrimerlError(
+                f"{root} already holds a finished run ({good} steps, max_steps is {max_steps}); nothing is "
+                f"overwritten. Use another --output-dir, add --overwrite to start afresh, or raise --max-steps "
+                f"to continue training from its last checkpoint.")
+        notes.insert(0, f"resuming {root} from checkpoints/{step_name(good)} (step {good} of {max_steps})")
+        moves += [run.checkpoint(n) for n, _ in unusable]
+        if run.rollouts.is_dir():
+            for f in sorted(run.rollouts.iterdir()):
+                n = parse_step(f.name.split(".")[0])
+                if f.name.endswith(".tmp"):
+                    deletes.append(f)
+                elif n is not None and n > good:
+                    moves.append(f)
+        if run.logs.is_dir():
+            moves += [p for p in sorted(run.logs.iterdir()) if _rel(run, p) not in keep]
+        for parent in (run.weights, run.checkpoints):
+            for d in sorted(parent.iterdir()) if parent.is_dir() else ():
+                n = parse_step(d.name)
+                if d.name.startswith(TMP_PREFIX) or (parent == run.weights and n is not None and n > good):
+                    deletes.append(d)
+        beyond = sorted({n for f in moves if f.parent == run.rollouts and (n := parse_step(f.name.split(".")[0]))})
+        if beyond:
+            notes.append(f"steps {beyond[0]}-{beyond[-1]} run again: the interrupted attempt's rollouts, metric "
+                         f"lines and logs are kept in {previous}")
+        republished = sorted(n for d in deletes if d.parent == run.weights and (n := parse_step(d.name)) is not None)
+        if republished:
+            notes.append(f"weights/{step_name(republished[0])}..{step_name(republished[-1])} deleted: the trainer "
+                         f"publishes those versions again")
+    if dry_run:
+        return Resume(good, None, tuple(notes))
+    for p in moves:
+        _move(p, previous / _rel(run, p))
+    for p in copies:
+        (previous / _rel(run, p)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(p, previous / _rel(run, p))
+    if good is not None:
+        trim_metrics(run, good, previous)
+    for p in deletes:
+        if p.parent == run.weights:
+            _delete_weights(p)
+        elif p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return Resume(good, previous if previous.exists() else None, tuple(notes))
+
+
+def prepare_run(cfg: Any, *, overwrite: bool = False, keep: Iterable[str] = (), dry_run: bool = False) -> Resume:
+    """:func:`prepare` for a resolved run config: what a launcher calls before it writes
+    ``config.toml`` and starts anything. Prints nothing; the caller shows ``notes``."""
+    return prepare(RunDir(Path(cfg.output_dir).resolve()), cfg.max_steps, config=cfg, overwrite=overwrite,
+                   keep=keep, dry_run=dry_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m primerl.resume OUT [--keep PATH ...] [--dry-run]``: prepare a run directory
+    whose processes are about to start with its own ``config.toml`` (a batch script, a
+    requeued job). Exit 0 when they may start, 2 (one line) when they must not."""
+    import argparse
+
+    from primerl.config import tomllib
+
+    parser = argparse.ArgumentParser(prog="python -m primerl.resume", description=main.__doc__)
+    parser.add_argument("output_dir")
+    parser.add_argument("--keep", action="append", default=[], help="a path under OUT never moved (repeatable)")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    run = RunDir(Path(args.output_dir).resolve())
+    try:
+        recorded = tomllib.loads(run.config.read_text()) if run.config.is_file() else {}
+        result = prepare(run, int(recorded.get("max_steps", 100)), keep=args.keep, dry_run=args.dry_run)
+    except PrimerlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for note in result.notes:
+        print(note)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

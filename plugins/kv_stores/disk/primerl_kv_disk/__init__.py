@@ -1,0 +1,1 @@
+"""The ``disk`` KV store (see :mod:`primerl_kv_disk.store`)."""

@@ -1,0 +1,12 @@
+"""Entry point module: registers the disk KV store lazily (nothing heavy at import)."""
+
+from primerl import hookimpl
+
+
+@hookimpl
+def register_kv_stores(register):
+    register(
+        "disk",
+        "primerl_kv_disk.store:DiskStore",
+        description="Idle prefixes in free KV slots; evicted ones written to files as blocks (LRU, bounded) and restored on a hit",
+    )

@@ -1,0 +1,13 @@
+"""Entry point module: registers the Mooncake KV store lazily (Mooncake is imported only
+when the store is built)."""
+
+from primerl import hookimpl
+
+
+@hookimpl
+def register_kv_stores(register):
+    register(
+        "mooncake",
+        "primerl_kv_mooncake.store:MooncakeStore",
+        description="KV blocks in a Mooncake Store pool shared by every inference server; idle prefixes in free slots",
+    )
