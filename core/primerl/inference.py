@@ -75,6 +75,24 @@ class WeightSender(Protocol):
     def close(self) -> None: ...
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail at once, in one line, when ``host:port`` is taken: a server would otherwise find
+    out only after building its model (tens of seconds), from uvicorn's bare errno."""
+    import socket
+
+    from primerl.errors import PrimerlError
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PrimerlError(f"inference.port {port} on {host} cannot be used ({exc.strerror}): another process "
+                               f"holds it; choose another --inference.port (or 0 for a free one)") from None
+
+
 # ---- endpoints ------------------------------------------------------------------------------
 
 COMPLETIONS = "/v1/completions"  # POST: CompletionResponse

@@ -157,3 +157,16 @@ def test_absurd_sampling_values_are_refused_with_400(app_client, field, value):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
+
+
+def test_a_port_in_use_is_refused_at_once_in_one_line():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.time()
+        r = run_cli("inference", "--model", "glm5", "--host", "127.0.0.1", "--port", str(port))
+    assert r.returncode != 0 and time.time() - t0 < 30
+    assert f"inference.port {port} on 127.0.0.1 cannot be used" in r.stderr and "Traceback" not in r.stderr

@@ -73,8 +73,10 @@ class EmbeddedBackend:
     def serve(self, cfg: RunConfig) -> None:
         import uvicorn
 
+        from primerl.inference import check_port_free
         from primerl_embedded.server import create_app
 
+        check_port_free(cfg.inference.host, cfg.inference.port)  # before the model is built
         engine, tokenizer, adapter = self.build(cfg)
         engine.start()
         app = create_app(engine, tokenizer, cfg.model.name, load_weights=self.weight_loader(engine, adapter),

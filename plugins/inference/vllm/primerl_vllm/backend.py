@@ -72,12 +72,14 @@ class VllmBackend:
         import httpx
         import uvicorn
 
+        from primerl.inference import check_port_free
         from primerl.registry import get_registry
         from primerl_vllm._site.sitecustomize import probe
         from primerl_vllm.launch import VllmServer, free_port, vllm_command, vllm_env
         from primerl_vllm.proxy import Proxy, create_app
 
         inf = cfg.inference
+        check_port_free(inf.host, inf.port)  # before vLLM spends a minute starting
         if not isinstance(inf, VllmConfig):  # a config built without load_config
             raise PrimerlError("the vllm backend needs its [inference] section validated by VllmConfig "
                                "(run through primerl's CLI or primerl.config.load_config)")
