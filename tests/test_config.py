@@ -154,5 +154,13 @@ def test_router_options_must_fit_the_routers_constructor():
                                                ("inference.router_options", "{poll_s = 2}")]))
     assert cfg.inference.router_options == {"poll_s": 2}
     with pytest.raises(ConfigError, match=r"inference.router_options \(from the command line.*do not fit router "
-                                          r"'sticky': .*'poll'.*takes: .*poll_s"):
+                                          r"'sticky': .*'poll'.*router 'sticky' takes: .*poll_s"):
         load_config(ConfigSources(overrides=[("inference.router", "sticky"), ("inference.router_options", "{poll = 2}")]))
+
+
+def test_kv_store_options_reach_the_stores_constructor_and_are_checked():
+    cfg = load_config(ConfigSources(overrides=[("inference.kv_store", "disk"),
+                                               ("inference.kv_store_options", "{block_size = 32}")]))
+    assert cfg.inference.kv_store_options == {"block_size": 32}
+    with pytest.raises(ConfigError, match=r"inference.kv_store_options .*kv_store 'disk' takes: root"):
+        load_config(ConfigSources(overrides=[("inference.kv_store", "disk"), ("inference.kv_store_options", "{size = 1}")]))

@@ -115,6 +115,9 @@ class InferenceConfig:
     dtype: str | None = None
     # KV store plugin (register_kv_stores) that keeps finished sequences' KV for prefix reuse
     kv_store: str = "memory"
+    # keyword arguments of the KV store's constructor (docs/kv_stores.md lists each store's),
+    # e.g. [inference.kv_store_options] max_bytes = 17179869184
+    kv_store_options: dict[str, Any] = attrs.field(factory=dict)
     # where the engine runs: "auto" is CUDA when torch sees a GPU, else the CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # the key every request must carry (Authorization: Bearer KEY); needed to bind a host
@@ -750,6 +753,10 @@ COMPONENT_KEYS = {
 }
 
 
+# a component key -> the key holding its constructor's keyword arguments
+OPTIONS_KEYS = {"inference.router": "inference.router_options", "inference.kv_store": "inference.kv_store_options"}
+
+
 def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
     """Every key that names a plugin names one that is installed and loads, so a typo
     fails here, naming the key, instead of in a process minutes into the run."""
@@ -775,13 +782,14 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
             if kind in ("loss", "advantage") and is_target(name):
                 continue  # a "module:attr" function, imported (and checked) by the process that uses it
             raise ConfigError(f"{key} = {name!r} ({_src(sources, key)}): {exc}") from None
-        if key == "inference.router" and cfg.inference.router_options:
-            from primerl.routers import check_router_options
+        options_key = OPTIONS_KEYS.get(key)
+        if options_key and getattr(cfg.inference, options_key.partition(".")[2]):
+            from primerl.registry import options_problem
 
-            why = check_router_options(name, cfg.inference.router_options)
+            why = options_problem(kind, name, getattr(cfg.inference, options_key.partition(".")[2]))
             if why:
-                where = _first_source_under(sources, "inference.router_options") or "the defaults"
-                raise ConfigError(f"inference.router_options (from {where}) do not fit router {name!r}: {why}")
+                where = _first_source_under(sources, options_key) or "the defaults"
+                raise ConfigError(f"{options_key} (from {where}) do not fit {kind} {name!r}: {why}")
 
 
 # KV stores that keep every block in their own process: they cannot hand a prompt's KV from

@@ -30,7 +30,7 @@ import importlib.util
 import inspect
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -362,3 +362,20 @@ def get_registry(refresh: bool = False) -> Registry:
     if _REGISTRY is None or refresh:
         _REGISTRY = Registry.discover()
     return _REGISTRY
+
+
+def options_problem(kind: str, name: str, options: Mapping[str, Any]) -> str | None:
+    """Why ``options`` do not fit the constructor of plugin ``name`` of ``kind`` (None: they
+    do), without building it: unknown or missing keywords are config errors, found before a
+    run starts (``inference.router_options``, ``inference.kv_store_options``)."""
+    target = get_registry().load(kind, name)
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # nothing to read (a builtin): the plugin checks its own options
+        return None
+    try:
+        signature.bind(**dict(options))
+    except TypeError as exc:
+        params = [p for p in signature.parameters if p not in ("self", "args", "kwargs")]
+        return f"{exc} ({kind} {name!r} takes: {', '.join(params) or 'no options'})"
+    return None

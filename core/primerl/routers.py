@@ -82,22 +82,4 @@ def load_router(name: str, options: Mapping[str, Any] | None = None) -> Router:
     return get_registry().load("router", name)(**dict(options or {}))
 
 
-def check_router_options(name: str, options: Mapping[str, Any]) -> str | None:
-    """Why ``options`` do not fit router ``name``'s constructor (None: they do), without
-    building it: unknown or missing keywords are config errors, found before the run starts."""
-    import inspect
-
-    from primerl.registry import get_registry
-
-    target = get_registry().load("router", name)
-    try:
-        inspect.signature(target).bind(**dict(options))
-    except TypeError as exc:
-        params = [p for p in inspect.signature(target).parameters if p not in ("self", "args", "kwargs")]
-        return f"{exc} (router {name!r} takes: {', '.join(params) or 'no options'})"
-    except ValueError:  # no signature to read (a builtin): the router checks its own options
-        return None
-    return None
-
-
-__all__ = ["Route", "Router", "check_router_options", "load_router"]
+__all__ = ["Route", "Router", "load_router"]

@@ -37,7 +37,7 @@ class EmbeddedBackend:
         tokenizer = adapter.tokenizer(model_cfg)
         layout = adapter.moe_layout(model_cfg)
         eos = tokenizer.eos_token_id
-        kv_store = get_registry().load("kv_store", cfg.inference.kv_store)()
+        kv_store = get_registry().load("kv_store", cfg.inference.kv_store)(**cfg.inference.kv_store_options)
         engine = Engine(
             model,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
