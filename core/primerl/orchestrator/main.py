@@ -427,7 +427,7 @@ class Orchestrator:
             endpoint = Endpoint(
                 base_url=url + "/v1", model=self.cfg.model.name, max_tokens=o.max_tokens,
                 temperature=group.temperature, top_p=o.top_p, max_model_len=self.cfg.inference.max_model_len,
-                return_routed_experts=self.want_routed)
+                return_routed_experts=self.want_routed, api_key=self.cfg.inference.resolved_api_key())
             try:
                 episodes = await self.workers.call("run_group", group.task, endpoint, group.size, timeout=timeout)
             except Exception:

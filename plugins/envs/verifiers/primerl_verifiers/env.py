@@ -106,7 +106,7 @@ class VerifiersEnv(AgentEnv):
 
         env = self.vf_env
         env.set_max_seq_len(endpoint.max_model_len)
-        http = AsyncOpenAI(base_url=endpoint.base_url, api_key="primerl", max_retries=0,
+        http = AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key or "primerl", max_retries=0,
                            timeout=self.config.episode_timeout_s)
         client = _client_class(self.config.client)(http)
         sampling = {**endpoint.sampling(), "logprobs": True}
