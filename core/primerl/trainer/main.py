@@ -183,7 +183,8 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             sender = weight_sender(cfg)
         try:
             publish_weights(run, n, model, adapter=adapter, tokenizer=tokenizer, parallelism=parallelism,
-                            channel=t.weight_channel if sender is not None else "filesystem", sender=sender)
+                            channel="filesystem" if t.weight_channel == "nccl" and sender is None else t.weight_channel,
+                            sender=sender)
         except OSError as exc:  # a full disk: one line, and the way back
             last = run.checkpoint_steps()
             raise PrimerlError(
