@@ -553,3 +553,17 @@ class TieredKVStore:
 
     def _spill(self, slot: int, tokens: Sequence[int], routed: list[Any]) -> None:
         self.blocks.save(slot, tokens, routed)
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer setting from the environment variable ``name`` (a store's fallback when its
+    constructor keyword is not given), else ``default``; a non-integer is a clear error."""
+    import os
+
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None

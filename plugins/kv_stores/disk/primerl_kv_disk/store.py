@@ -48,7 +48,7 @@ from typing import Any
 
 from primerl_kv_memory.store import MemoryStore
 
-from primerl.kv_stores import KVBlock, PrefixHit, TieredKVStore, decode_block, encode_block
+from primerl.kv_stores import KVBlock, PrefixHit, TieredKVStore, decode_block, encode_block, env_int
 
 DEFAULT_MAX_BYTES = 8 << 30
 DEFAULT_BLOCK_SIZE = 64
@@ -190,16 +190,6 @@ def _unlink_all(root: Path, keys: OrderedDict) -> None:
             pass
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-
-
 class DiskStore(TieredKVStore):
     """Idle prefixes in free KV slots (the memory store); evicted ones written to files as
     blocks (LRU, at most ``max_bytes``) and restored on a prefix hit."""
@@ -207,9 +197,9 @@ class DiskStore(TieredKVStore):
     def __init__(self, root: str | os.PathLike | None = None, max_bytes: int | None = None,
                  block_size: int | None = None, *, shared: bool | None = None, namespace: str | None = None) -> None:
         root = root if root is not None else (os.environ.get("PRIMERL_KV_DISK_DIR") or None)
-        max_bytes = max_bytes if max_bytes is not None else _env_int("PRIMERL_KV_DISK_MAX_BYTES", DEFAULT_MAX_BYTES)
-        block_size = block_size if block_size is not None else _env_int("PRIMERL_KV_BLOCK_SIZE", DEFAULT_BLOCK_SIZE)
-        shared = shared if shared is not None else bool(_env_int("PRIMERL_KV_DISK_SHARED", 0))
+        max_bytes = max_bytes if max_bytes is not None else env_int("PRIMERL_KV_DISK_MAX_BYTES", DEFAULT_MAX_BYTES)
+        block_size = block_size if block_size is not None else env_int("PRIMERL_KV_BLOCK_SIZE", DEFAULT_BLOCK_SIZE)
+        shared = shared if shared is not None else bool(env_int("PRIMERL_KV_DISK_SHARED", 0))
         namespace = namespace if namespace is not None else os.environ.get("PRIMERL_KV_NAMESPACE", "")
         self.files = DiskBlocks(root, max_bytes, block_size, shared=shared)
         super().__init__(SpillingMemoryStore(), self.files, write_through=False, namespace=namespace)

@@ -47,23 +47,13 @@ from collections.abc import Sequence
 
 from primerl_kv_memory.store import MemoryStore
 
-from primerl.kv_stores import KVBlock, TieredKVStore, decode_block, encode_block
+from primerl.kv_stores import KVBlock, TieredKVStore, decode_block, encode_block, env_int
 from primerl_kv_mooncake.install import MooncakeUnavailable, import_store
 from primerl_kv_mooncake.master import ENV_MASTER, ENV_METADATA
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_SEGMENT_BYTES = 4 << 30
 DEFAULT_BUFFER_BYTES = 256 << 20
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
 class MooncakeBlocks:
@@ -177,10 +167,10 @@ class MooncakeStore(TieredKVStore):
                 "127.0.0.1" if _is_local(host) else socket.gethostname())
         self.pool_blocks = MooncakeBlocks(
             master, metadata, local_host=local_host,
-            segment_bytes=segment_bytes or _env_int("PRIMERL_MOONCAKE_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES),
-            buffer_bytes=buffer_bytes or _env_int("PRIMERL_MOONCAKE_BUFFER_BYTES", DEFAULT_BUFFER_BYTES),
+            segment_bytes=segment_bytes or env_int("PRIMERL_MOONCAKE_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES),
+            buffer_bytes=buffer_bytes or env_int("PRIMERL_MOONCAKE_BUFFER_BYTES", DEFAULT_BUFFER_BYTES),
             protocol=protocol or os.environ.get("PRIMERL_MOONCAKE_PROTOCOL") or "tcp", device=device,
-            block_size=block_size or _env_int("PRIMERL_KV_BLOCK_SIZE", DEFAULT_BLOCK_SIZE),
+            block_size=block_size or env_int("PRIMERL_KV_BLOCK_SIZE", DEFAULT_BLOCK_SIZE),
         )
         namespace = namespace if namespace is not None else os.environ.get("PRIMERL_KV_NAMESPACE", "")
         super().__init__(MemoryStore(), self.pool_blocks, write_through=True, namespace=namespace)

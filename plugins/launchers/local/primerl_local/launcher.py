@@ -229,7 +229,7 @@ class LocalLauncher:
             self._stop_all(procs)
             for s, h in old.items():
                 signal.signal(s, h)
-        self._summary(run_dir)
+        summarize(run_dir)
         return 0
 
     @staticmethod
@@ -254,24 +254,6 @@ class LocalLauncher:
                     pass
                 p.wait()
 
-    def _summary(self, run_dir: RunDir) -> None:
-        from primerl_local.view import plot_rewards, read_metrics
-
-        rows = read_metrics(run_dir.metrics)
-        png = plot_rewards(rows, run_dir.reward_plot) if rows else None
-        print()
-        if rows:
-            first = [r["reward/mean"] for r in rows[:10]]
-            last = [r["reward/mean"] for r in rows[-10:]]
-            print(f"reward: first 10 steps {sum(first) / len(first):.3f} -> last 10 steps {sum(last) / len(last):.3f}")
-        print(f"run directory:  {run_dir.root}")
-        print(f"  metrics:      {run_dir.metrics}")
-        if png:
-            print(f"  reward curve: {png}")
-        print(f"  weights:      {run_dir.weights}")
-        print(f"  checkpoints:  {run_dir.checkpoints}")
-        print(f"  rollouts:     {run_dir.rollouts}")
-        print(f"  logs:         {run_dir.logs}")
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -281,3 +263,25 @@ def _tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
+def summarize(run_dir: RunDir, *, logs_note: str = "", extra: tuple[tuple[str, object], ...] = ()) -> None:
+    """What a finished run made: the reward's first and last 10 steps, and where things are
+    (``extra``: more ``(label, path)`` lines, e.g. a Slurm job's scripts)."""
+    from primerl_local.view import plot_rewards, read_metrics
+
+    rows = read_metrics(run_dir.metrics)
+    png = plot_rewards(rows, run_dir.reward_plot) if rows else None
+    print()
+    if rows:
+        first = [r["reward/mean"] for r in rows[:10]]
+        last = [r["reward/mean"] for r in rows[-10:]]
+        print(f"reward: first 10 steps {sum(first) / len(first):.3f} -> last 10 steps {sum(last) / len(last):.3f}")
+    print(f"run directory:  {run_dir.root}")
+    print(f"  metrics:      {run_dir.metrics}")
+    if png:
+        print(f"  reward curve: {png}")
+    print(f"  weights:      {run_dir.weights}")
+    print(f"  checkpoints:  {run_dir.checkpoints}")
+    print(f"  rollouts:     {run_dir.rollouts}")
+    print(f"  logs:         {run_dir.logs}{logs_note}")
+    for label, path in extra:
+        print(f"  {label + ':':<14}{path}")

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import attrs
+from primerl_local.launcher import summarize
 
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
@@ -178,7 +179,8 @@ class SlurmLauncher:
         status = _read_status(run_dir.root / "slurm" / f"job-{job}.status")
         rc = int(status["rc"]) if status.get("rc", "").isdigit() else -1
         if final.state == "COMPLETED" and rc in (0, -1):
-            _summary(run_dir)
+            summarize(run_dir, logs_note="  (slurm-<job>.out: the batch script)",
+                      extra=(("job scripts", run_dir.root / "slurm"),))
             return 0
         job_log = run_dir.logs / f"slurm-{job}.out"
         role = status.get("role")
@@ -323,23 +325,3 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def _summary(run_dir: RunDir) -> None:
-    from primerl_local.view import plot_rewards, read_metrics
-
-    rows = read_metrics(run_dir.metrics)
-    png = plot_rewards(rows, run_dir.reward_plot) if rows else None
-    print()
-    if rows:
-        first = [r["reward/mean"] for r in rows[:10]]
-        last = [r["reward/mean"] for r in rows[-10:]]
-        print(f"reward: first 10 steps {sum(first) / len(first):.3f} -> last 10 steps {sum(last) / len(last):.3f}")
-    print(f"run directory:  {run_dir.root}")
-    print(f"  metrics:      {run_dir.metrics}")
-    if png:
-        print(f"  reward curve: {png}")
-    print(f"  weights:      {run_dir.weights}")
-    print(f"  checkpoints:  {run_dir.checkpoints}")
-    print(f"  logs:         {run_dir.logs}  (slurm-<job>.out: the batch script)")
-    print(f"  job scripts:  {run_dir.root / 'slurm'}")

@@ -8,35 +8,10 @@ free one, as the local launcher picks them.
 
 from __future__ import annotations
 
-import socket
 import sys
 
-
-def _free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except (OSError, OverflowError):
-            return False
-
-
-def _any(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def pick(host: str, first: int, n: int) -> list[int]:
-    ports: list[int] = []
-    for i in range(n):
-        port = first + i if first else 0
-        while port == 0 or port in ports or not _free(host, port):
-            port = _any(host)
-        ports.append(port)
-    return ports
-
+from primerl_local.launcher import pick_ports
 
 if __name__ == "__main__":
     host, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    print("\n".join(str(p) for p in pick(host, first, n)))
+    print("\n".join(str(p) for p in pick_ports(host, first, n)))
