@@ -212,3 +212,16 @@ def test_fp8_training_and_inference_compute_the_same_numbers(tmp_path):
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # on-policy: the engine runs the trainer's FP8 matmuls, so the logprobs agree exactly
     assert row["mismatch_kl"] == 0.0 and row["routing_agreement"] == 1.0
+
+
+def test_a_mooncake_run_gets_its_master_from_the_launcher(tmp_path):
+    pytest.importorskip("primerl_kv_mooncake", reason="the mooncake KV store plugin is not installed")
+    out = tmp_path / "run"
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PRIMERL_MOONCAKE")}
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                        "--max-steps", "2", "--output-dir", str(out), *SMALL, "--inference.replicas", "2",
+                        "--inference.kv_store", "mooncake"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Mooncake master at 127.0.0.1:" in r.stdout
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (out / "logs" / "mooncake.log").exists()

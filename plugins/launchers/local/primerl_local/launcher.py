@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from primerl.children import own_group_and_die_with_parent
 from primerl.config import RunConfig, dump_toml, to_dict
@@ -130,6 +131,23 @@ def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None =
     return [sys.executable, *cmd]
 
 
+def start_mooncake_master(cfg: RunConfig, run_dir: RunDir, env: dict[str, str]) -> Any:
+    """With ``inference.kv_store = "mooncake"`` and no master named in the environment
+    (``PRIMERL_MOONCAKE_MASTER``), start one for the run (its log: ``logs/mooncake.log``) and
+    put its address in ``env``, which every child gets; the caller stops it. None otherwise."""
+    if cfg.inference.kv_store != "mooncake" or env.get("PRIMERL_MOONCAKE_MASTER"):
+        return None
+    try:
+        from primerl_kv_mooncake.master import MooncakeMaster
+    except ImportError:
+        raise PrimerlError("inference.kv_store = 'mooncake' needs the mooncake KV store plugin: "
+                           "pip install -e plugins/kv_stores/mooncake") from None
+    master = MooncakeMaster(log=run_dir.logs / "mooncake.log").start()
+    env.update(master.env())
+    print(f"Mooncake master at {master.address} (log: {master.log})", flush=True)
+    return master
+
+
 def child_env(name: str, cfg: RunConfig, env: dict[str, str], run_dir: RunDir | None = None) -> dict[str, str]:
     """The trainer's ranks share its share of the cores; so do the inference servers. With
     prefill/decode and the disk KV store, the servers share ``run_dir``'s ``kv/``."""
@@ -177,7 +195,9 @@ class LocalLauncher:
         from primerl_local.view import LiveView
 
         view = LiveView(cfg, run_dir)
+        master = None
         try:
+            master = start_mooncake_master(cfg, run_dir, env)
             children = [(name, "inference", port, role)
                         for name, port, role in zip(names, ports, inference_roles(cfg))]
             children += [(kind, kind, None, None) for kind in CHILDREN if kind != "inference"]
@@ -227,6 +247,8 @@ class LocalLauncher:
             return 130
         finally:
             self._stop_all(procs)
+            if master is not None:
+                master.stop()
             for s, h in old.items():
                 signal.signal(s, h)
         summarize(run_dir)
