@@ -210,8 +210,11 @@ def test_fp8_training_and_inference_compute_the_same_numbers(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fp8: block-scaled FP8 matmuls in" in (out / "logs" / "trainer.log").read_text()
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    # on-policy: the engine runs the trainer's FP8 matmuls, so the logprobs agree exactly
-    assert row["mismatch_kl"] == 0.0 and row["routing_agreement"] == 1.0
+    # on-policy: the engine runs the trainer's FP8 matmuls, so the logprobs agree to float
+    # rounding. Not exactly: the engine's batch shapes differ from the trainer's, some CPUs'
+    # kernels then round differently (5e-7 seen on CI), and a 1x128 activation tile's scale
+    # can move with it.
+    assert row["mismatch_kl"] < 1e-5 and row["routing_agreement"] >= 0.99, row
 
 
 def test_a_mooncake_run_gets_its_master_from_the_launcher(tmp_path):
