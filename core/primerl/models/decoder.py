@@ -3,10 +3,11 @@
 Why: RL needs one forward that HF models do not offer, the same for every architecture,
 
 * ragged batches: each row has its own number of new tokens (``lengths``), right-padded;
-* packed training rows: ``segment_ids`` keep several sequences in one row apart; token-wise
-  work (projections, MLPs, experts) runs on the packed rows, while attention runs one
-  sequence per row (:class:`~primerl.models.batch.Segments`, what varlen attention
-  kernels do), so its cost is that of each sequence, not of the whole row;
+* packed training rows: ``segment_ids`` keep several sequences in one row apart; attention
+  runs one sequence per row (:class:`~primerl.models.batch.Segments`, what varlen attention
+  kernels do), so its cost is that of each sequence, not of the whole row, and so does the
+  whole forward when that layout has no more positions than the packed rows (token-wise
+  work pads less, and the hidden states are laid out once, not twice per layer);
 * a slot-indexed cache for continuous batching: in one call some rows prefill a prompt
   while others decode one token, each at its own past length, and a prefix can be copied
   from slot to slot;
@@ -225,19 +226,36 @@ class DecoderLM(nn.Module):
         batch = make_batch(positions, lengths, segment_ids, cache, slots, past_lens,
                            unpack_segments=self.unpack_segments)
         self.prepare(batch, x.dtype)
-        if batch.segments is not None:
-            batch.segments.adopt(batch.extra)
-        valid = batch.valid.flatten()  # [B*S]
+        seg = batch.segments
+        if seg is not None:
+            seg.adopt(batch.extra)
+            n, L = seg.index.shape
+            if n * L <= B * S and seg.batch.gather_keys is None:
+                # One sequence per row for the whole forward, not only for the sequence
+                # mixers: no more positions for the token-wise layers than the packed rows
+                # (often fewer), and one gather and one scatter instead of two per layer.
+                # (Not under context parallelism, whose rows are gathered by the mixers.)
+                x = seg.gather(x)  # [n, L, hidden]
+                if replay_experts is not None:
+                    replay_experts = seg.gather(replay_experts)  # [n, L, n_moe_layers, top_k]
+                batch = seg.batch
+            else:
+                seg = None
+        valid = batch.valid.flatten()  # [B*S], or [n*L] one sequence per row
 
         carry, used, own = None, [], []
+        rows = x.shape[:2]  # (B, S), or (n, L) one sequence per row
         for layer in self.model.layers:
             replay = None
             if replay_experts is not None and getattr(layer, "is_moe", False):
                 replay = replay_experts[:, :, len(used)].flatten(0, 1)  # [B*S, top_k]
             x, carry, routing = layer(x, batch, valid, carry, replay)
             if routing is not None:
-                used.append(routing.ids.view(B, S, -1))
-                own.append(routing.own_ids.view(B, S, -1))
+                used.append(routing.ids.view(*rows, -1))
+                own.append(routing.own_ids.view(*rows, -1))
+        if seg is not None:  # back to the packed rows (zeros at padding)
+            x = seg.scatter(x)  # [B, S, hidden]
+            used, own = [seg.scatter(t) for t in used], [seg.scatter(t) for t in own]
 
         if logits_for == "last":
             x = x[torch.arange(B, device=device), (lengths - 1).clamp(min=0)]  # [B, hidden]

@@ -9,8 +9,13 @@ two, and ``kv_b_proj`` expands the latent to per-head k_nope and v. RoPE is "int
 and keys alike, so every q.k is the same, summed in another order), which spares a copy.
 
 Decode steps attend in the latent space (DeepSeek's "weight absorption"), prefill and
-training expand the latent. Subclasses may restrict which keys each query sees by
-overriding :meth:`MLAttention.select` (GLM-5's DeepSeek Sparse Attention).
+training expand the latent into per-head keys and values, unless folding ``kv_b_proj``
+into the query and output projections costs no more (:meth:`MLAttention._fold_cheaper`: a
+latent no wider than the heads' nope and v dims, as in the tiny presets). Then
+(:meth:`MLAttention._folded`) queries come out as cache rows and all heads score the cache
+rows themselves in one product: on CPU about half the ops of the expanded form.
+Subclasses may restrict which keys each query sees by overriding
+:meth:`MLAttention.select` (GLM-5's DeepSeek Sparse Attention).
 
 Names and shapes are HF's ``DeepseekV3Attention`` / ``GlmMoeDsaAttention``.
 """
@@ -73,6 +78,9 @@ class MLAttention(nn.Module):
         """x: [B, S, hidden]. Returns the output [B, S, hidden] and the carry."""
         B, S, _ = x.shape
         H, L = self.n_heads, self.layer_idx
+        decode = batch.cache is not None and S == 1
+        if self._fold_cheaper(B * S, batch, decode=decode):
+            return self._folded(x, batch, carry)
         if hasattr(self, "q_proj"):
             q_latent, q = None, self.q_proj(x)
             kv = self.kv_a_proj_with_mqa(x)
@@ -92,8 +100,8 @@ class MLAttention(nn.Module):
         T = ckv.shape[1]
 
         mask, carry = self.select(x, q_latent, batch, carry)  # [B, S, T]
-        if batch.cache is not None and S == 1:
-            out = self._absorbed(q_nope, q_rot, ckv, batch.bias(mask, ckv.dtype))  # decode: [B, H, 1, v]
+        if decode:
+            out = self._absorbed(q_nope, q_rot, ckv, batch.bias(mask, ckv.dtype))  # [B, H, 1, v]
         else:
             kv = self.kv_b_proj(latent).view(B, T, H, -1).transpose(1, 2)  # [B, H, T, nope+v]
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -108,6 +116,103 @@ class MLAttention(nn.Module):
                 scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scaling) + bias  # [B, H, S, T]
                 out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [B, H, S, v]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim)), carry
+
+    def _fold_cheaper(self, n_queries: int, batch: Batch, *, decode: bool) -> bool:
+        """Whether :meth:`_folded` costs no more multiply-adds than the form it replaces
+        (``decode``: :meth:`_absorbed`, else the expanded keys and values) for ``n_queries``
+        queries (padding included) over this batch's keys, and applies: the three
+        projections it folds are plain ``nn.Linear`` (FP8 training swaps in its own linears,
+        which must keep running their own GEMMs)."""
+        q_proj = getattr(self, "q_proj", None) or self.q_b_proj
+        if not all(type(m) is nn.Linear for m in (q_proj, self.kv_b_proj, self.o_proj)):
+            return False
+        r, nope, rope, v = self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim
+        q_in, hidden, H = q_proj.in_features, self.o_proj.out_features, self.n_heads
+        # keys per query (every query, at most its row's keys) and keys in all: bounds from the shapes
+        T = batch.visible.shape[-1] if batch.visible is not None else n_queries
+        keys = n_queries if batch.cache is None else batch.visible.shape[0] * T
+        if decode:  # latent attention, kv_b_proj applied to the query and the output of each step
+            other = n_queries * H * (q_in * (nope + rope) + nope * r + T * (2 * r + rope) + r * v + v * hidden)
+        else:
+            other = n_queries * H * (q_in * (nope + rope) + v * hidden + T * (nope + rope + v)) + keys * H * r * (nope + v)
+        folded = n_queries * H * (q_in * (r + rope) + r * hidden + T * (2 * r + rope))
+        if torch.is_grad_enabled():  # folding the weights (kept between forwards without autograd)
+            folded += H * (q_in * nope * r + hidden * v * r)
+        return folded <= other
+
+    def _folded_weights(self) -> tuple[Tensor, Tensor]:
+        """``kv_b_proj`` folded into the query and output projections, per head h:
+        ``q_proj_h' = [W_uk_h^T W_q_nope_h; W_q_rope_h]`` ([H * (kv_lora + rope), q_in]) and
+        ``o_proj_h' = W_o_h W_uv_h`` ([hidden, H * kv_lora]). With autograd on they are
+        rebuilt every forward (gradients reach the three weights), else kept (``derived``)."""
+        H, nope, rope, v = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
+        q = getattr(self, "q_proj", None) or self.q_b_proj
+        wq, wb, wo = q.weight, self.kv_b_proj.weight, self.o_proj.weight
+
+        def build() -> tuple[Tensor, Tensor]:
+            heads = self._kv_b_heads()  # [H, nope + v, kv_lora]
+            wq_h = wq.view(H, nope + rope, -1)  # [H, nope + rope, q_in]
+            q_lat = torch.matmul(heads[:, :nope].transpose(1, 2), wq_h[:, :nope])  # [H, kv_lora, q_in]
+            wq_f = torch.cat([q_lat, wq_h[:, nope:]], dim=1).flatten(0, 1)  # [H * (kv_lora + rope), q_in]
+            wo_h = wo.view(wo.shape[0], H, v).transpose(0, 1)  # [H, hidden, v]
+            wo_f = torch.matmul(wo_h, heads[:, nope:]).transpose(0, 1).flatten(1)  # [hidden, H * kv_lora]
+            return wq_f, wo_f
+
+        if torch.is_grad_enabled() or any(t.is_inference() for t in (wq, wb, wo)):
+            return build()
+        wq_f = derived(self, "folded_q", lambda: build()[0], wq, wb, wo)
+        return wq_f, derived(self, "folded_o", lambda: build()[1], wq, wb, wo)
+
+    def _folded(self, x: Tensor, batch: Batch, carry: Any) -> tuple[Tensor, Any]:
+        """Prefill / training attention in the latent space, with ``kv_b_proj`` folded into
+        the query and output projections (:meth:`_folded_weights`): the same maths as the
+        expanded form (sums in another order). Queries come out as cache rows per head,
+        [kv_lora + rope], so every head scores the rows themselves and one product serves
+        all heads (the heads sit next to the queries: [B, S * H, ...]); RoPE rotates the
+        rope dims of queries and keys in one op each (the latent dims by 1).
+        x: [B, S, hidden]. Returns ([B, S, hidden], carry)."""
+        B, S, _ = x.shape
+        H, r, rope = self.n_heads, self.kv_lora_rank, self.rope_dim
+        wq_f, wo_f = self._folded_weights()
+        if hasattr(self, "q_proj"):
+            q_latent, q_in, kv = None, x, self.kv_a_proj_with_mqa(x)
+        else:
+            q_latent, kv = self._down_projections(x)  # [B, S, q_lora], [B, S, kv_lora + rope]
+            q_latent = q_in = self.q_a_layernorm(q_latent)
+        q = F.linear(q_in, wq_f).view(B, S, H, r + rope)  # per head: [latent query, rope query]
+        if self.interleave:
+            rot = self._latent_rotation(batch)  # [B, S, (kv_lora + rope) / 2]: 1 on the latent pairs
+            q = rope_interleaved(q, rot[:, :, None])
+            latent, k_rot = rope_interleaved(kv, rot).split([r, rope], dim=-1)
+        else:
+            cos, sin = batch.extra["cos"], batch.extra["sin"]  # [B, S, rope/2]
+            q_lat, q_rot = q.split([r, rope], dim=-1)
+            q = torch.cat([q_lat, rope_halves(q_rot, cos[:, :, None], sin[:, :, None])], dim=-1)
+            latent, k_rot = kv.split([r, rope], dim=-1)
+            k_rot = rope_halves(k_rot, cos, sin)
+        ckv = batch.keys(torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1), self.layer_idx, "ckv")  # [B, T, kv_lora + rope]
+        T = ckv.shape[1]
+        mask, carry = self.select(x, q_latent, batch, carry)  # [B, S, T]
+        bias = batch.bias(mask, ckv.dtype)  # [B, S, T] additive (0 or -inf)
+        if S == 1:  # decode: the bias row serves every head as it is
+            scores = torch.baddbmm(bias, q.view(B, H, r + rope), ckv.transpose(1, 2), alpha=self.scaling)  # [B, H, T]
+        else:
+            scores = torch.bmm(q.view(B, S * H, r + rope), ckv.transpose(1, 2)).view(B, S, H, T)
+            scores = scores.mul_(self.scaling) + bias[:, :, None]  # [B, S, H, T]
+        probs = torch.softmax(scores.float(), dim=-1).to(ckv.dtype)
+        out = torch.bmm(probs.view(B, S * H, T), ckv[..., :r])  # [B, S * H, kv_lora]
+        return F.linear(out.view(B, S, H * r), wo_f, self.o_proj.bias), carry
+
+    def _latent_rotation(self, batch: Batch) -> Tensor:
+        """RoPE's rotation of a cache row's pairs, [B, S, (kv_lora + rope) / 2] complex: 1
+        for the latent's pairs (exactly unchanged), ``batch.extra["rot"]`` for the rope key's;
+        built once per batch for the layers that share it."""
+        key = f"rot_latent_{self.kv_lora_rank}"
+        if key not in batch.extra:
+            rot = batch.extra["rot"]  # [B, S, rope/2]
+            ones = torch.ones(*rot.shape[:-1], self.kv_lora_rank // 2, dtype=rot.dtype, device=rot.device)
+            batch.extra[key] = torch.cat([ones, rot], dim=-1)
+        return batch.extra[key]
 
     def _rope(self, t: Tensor, batch: Batch, *, per_head: bool) -> Tensor:
         """RoPE on the queries ([B, H, S, rope], ``per_head``) or the shared key ([B, S, rope])."""

@@ -2,6 +2,12 @@
 
 AdamW with weight decay on matrices only, and a multiplier of the base LR per optimizer
 step: linear warm-up, then constant, cosine or linear decay to 0 at ``max_steps``.
+
+On the CPU, AdamW runs fused (``fused=True``: one kernel per parameter instead of about ten
+ops, a quarter of the time for the tiny presets' 70 tensors); the numbers differ from the
+per-op loop only in float rounding. Sharded parameters (DTensors, FSDP) and other devices
+keep torch's default implementation, whatever a checkpoint's optimizer state was written
+with (:class:`AdamW` keeps its own choice when it loads one).
 """
 
 from __future__ import annotations
@@ -13,13 +19,26 @@ import torch
 from primerl.config import RunConfig
 
 
+class AdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` that keeps its implementation (``fused``, ``foreach``) when it
+    loads a state dict: a checkpoint written by a fused optimizer (one CPU process) may be
+    resumed by FSDP ranks, whose DTensor parameters need the default one, and back."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        impl = [(g["fused"], g["foreach"]) for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, (fused, foreach) in zip(self.param_groups, impl, strict=True):
+            group["fused"], group["foreach"] = fused, foreach
+
+
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW; matrices decay, vectors (norm weights, biases) do not."""
+    """AdamW; matrices decay, vectors (norm weights, biases) do not; fused on the CPU."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    fused = bool(params) and all(type(p) is torch.nn.Parameter and p.device.type == "cpu" for p in params)
+    return AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=fused or None)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
