@@ -111,6 +111,28 @@ def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(setup):
     assert eng.stats.prefix_hit_tokens > 0  # siblings and the repeat reuse cached prompt KV
 
 
+def test_groups_prefill_their_leaders_together_and_siblings_copy_the_prompt(setup):
+    """Groups (n > 1) queued together: every leader's prompt runs in the first step (not one
+    group per step behind the siblings waiting for their leader), every sibling then copies
+    its leader's prompt instead of running it, and greedy outputs equal a group run alone."""
+    _, _, model, tok = setup
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=5, temperature=0, n=3, ignore_eos=True)
+    eng = make_engine(model, tok)
+    groups = [eng.submit(p, params) for p in prompts]
+    eng.step()
+    leaders = [g[0] for g in groups]
+    assert [s.cached for s in leaders] == [len(p) for p in prompts]  # all prompts ran in step 1
+    assert all(s.slot < 0 for g in groups for s in g[1:]) and len(eng.waiting) == 2 * len(prompts)
+    eng.step()
+    assert not eng.waiting and eng.stats.prefix_hit_tokens == 2 * sum(len(p) - 1 for p in prompts)
+    while eng.has_work():
+        eng.step()
+    for p, g in zip(prompts, groups):
+        alone = make_engine(model, tok).generate(p, params)
+        assert [s.output_ids for s in g] == [s.output_ids for s in alone]
+
+
 def test_continuous_batching_matches_one_at_a_time(setup):
     _, _, model, tok = setup
     alone = []

@@ -89,7 +89,7 @@ def test_weight_update_from_hf_checkpoint(server, tmp_path):
     r = httpx.post(server + "/admin/weights", json={"path": str(tmp_path / "step_1"), "version": 1}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["policy_version"] == 1
-    out = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60).json()
+    out = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}, timeout=60).json()
     assert out["choices"][0]["policy_versions"] == [1, 1, 1]
 
 

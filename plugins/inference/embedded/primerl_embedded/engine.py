@@ -12,7 +12,8 @@ How it works. One thread owns the model and loops over :meth:`Engine.step`:
 1. apply a pending weight update, if any (between steps, so in-flight sequences carry
    on with the new weights; each later token records the new version);
 2. admit waiting sequences into free KV slots, reusing the longest cached prefix the KV
-   store holds (a multi-turn episode's earlier turns) or a sibling's prompt (``n > 1``);
+   store holds (a multi-turn episode's earlier turns) or a sibling's prompt (``n > 1``:
+   siblings wait one step for their leader's prompt; the sequences behind them go ahead);
 3. run one forward for the decode rows (one new token each) and one or a few for the
    prefill rows (a prompt's uncached tokens; prompts of very different lengths are split
    by length, which pads less: :func:`prefill_groups`), all ragged via per-row lengths
@@ -391,8 +392,14 @@ class Engine:
 
     # ---- scheduling: slot i holds the i-th running sequence ----------------------------
     def _admit(self) -> None:
+        """Move waiting sequences into the running batch, in arrival order, while it has room
+        and this step's prefill budget lasts. The siblings of a group (``n > 1``) wait until
+        their leader's prompt is in the cache, then copy it; the sequences behind them do
+        not wait with them: a batch of groups prefills all its leaders in one forward, not
+        one leader per step (8 groups of 8: 25 forwards a batch instead of 39)."""
         budget = self.max_prefill_tokens
         missing: list[Sequence] = []  # P/D decode phases whose prompt KV the store lacks
+        siblings: list[Sequence] = []  # waiting for their leader's prompt, in arrival order
         with self._lock:
             while self.waiting and len(self.running) < self.max_batch_size:
                 seq = self.waiting[0]
@@ -401,7 +408,8 @@ class Engine:
                     missing.append(self.waiting.popleft())
                     continue
                 if seq.leader is not None and seq.leader.cached < len(seq.prompt_ids) - 1:
-                    break  # wait until the leader's prompt is in the cache, then copy it
+                    siblings.append(self.waiting.popleft())  # copies the leader's prompt once it is cached
+                    continue
                 need = len(seq.prompt_ids)
                 if need > budget and budget < self.max_prefill_tokens:
                     break  # this step's prefill budget is spent; keep arrival order
@@ -412,6 +420,7 @@ class Engine:
                     continue
                 budget -= len(seq.prompt_ids) - seq.cached
                 self.running.append(seq)
+            self.waiting.extendleft(reversed(siblings))  # back at the front, in their order
         for seq in missing:
             if seq.on_done is not None:
                 seq.on_done(seq)
