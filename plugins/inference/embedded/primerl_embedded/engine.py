@@ -540,7 +540,10 @@ class Engine:
             self.stats.generated_tokens += 1
             if len(s.output_ids) == 1:
                 self.stats.prompt_tokens += len(s.prompt_ids)
-        for s in seqs:  # after every row's ``cached`` is current: retiring swaps slots by cached length
+        # After every row's ``cached`` is current (retiring swaps slots by cached length); from
+        # the last slot down, so a finished row at the end of the batch moves nothing: a batch
+        # that finishes together swaps no KV rows at all.
+        for s in reversed(seqs):
             self._check_finished(s)
 
     def _score_prompt(self, s: Sequence, logits: torch.Tensor) -> None:
