@@ -24,7 +24,7 @@ Also reported, to tell how close the trainer is to the machine:
   by: routed experts count top_k / E, the embedding table and the DSA indexer (no
   gradient) do not count.
 * ``matmul_gflops``: one core's float32 matmul rate on the trainer's shapes
-  ([micro_batch_rows x seq_len, hidden] @ [hidden, 128 or 256]), measured in this process
+  ([8 x 128 tokens, hidden] @ [hidden, 128 or 256]), measured in this process
   between the rounds (median).
 * ``cpu_s_per_step``: CPU seconds per step of each primerl process (when psutil is
   installed; TRL and accelerate bring it).
@@ -48,7 +48,7 @@ from pathlib import Path
 SAMPLES_PER_STEP = 64
 GROUP = 8
 MAX_NEW = 24
-ROWS, SEQ_LEN = 8, 128  # the quick start's trainer.micro_batch_rows and trainer.seq_len
+ROWS, SEQ_LEN = 8, 128  # matmul_gflops' shapes: [ROWS x SEQ_LEN, hidden], rows of the quick start's seq_len
 
 
 def primerl_run(out: Path, steps: int) -> dict:
