@@ -97,6 +97,60 @@ def test_packed_rows_match_separate_forwards(arch, unpack, monkeypatch):
             start += n
 
 
+@pytest.mark.parametrize("rows", [[[4, 40, 14, 20], [5, 36]], [[30, 28], [29]]],
+                         ids=["attention-per-sequence", "whole-forward-per-sequence"])
+def test_training_gradients_on_packed_rows_match_transformers(arch, rows):
+    """What the trainer differentiates: packed rows (one sequence per row in the attention
+    only, or for the whole forward when that adds no positions), grad enabled, so the
+    training-only paths run (MLA's folded projections, the RMSNorm backward, grouped expert
+    GEMMs). The gradient of every weight equals transformers' on the sequences one by one."""
+    name, adapter, model = arch
+    hf = hf_twin(adapter, model)
+    S = max(sum(lens) for lens in rows)
+    parts = [[random_ids(1, n, seed=3 + 5 * r + n)[0] for n in lens] for r, lens in enumerate(rows)]
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    positions, segments = torch.zeros_like(ids), torch.zeros_like(ids)
+    for r, lens in enumerate(rows):
+        n = sum(lens)
+        ids[r, :n] = torch.cat(parts[r])
+        positions[r, :n] = torch.cat([torch.arange(k) for k in lens])
+        segments[r, :n] = torch.cat([torch.full((k,), i) for i, k in enumerate(lens)])
+    lengths = torch.tensor([sum(lens) for lens in rows])
+
+    def loss_of(logits, toks):  # next-token cross-entropy of one sequence, summed
+        return torch.nn.functional.cross_entropy(logits[:-1], toks[1:], reduction="sum")
+
+    model.zero_grad()
+    logits = model(ids, positions, lengths, segment_ids=segments).logits  # [B, S, V]
+    total = 0
+    for r, row_parts in enumerate(parts):
+        start = 0
+        for toks in row_parts:
+            total = total + loss_of(logits[r, start : start + len(toks)], toks)
+            start += len(toks)
+    total.backward()
+    hf.zero_grad()
+    sum(loss_of(hf(toks[None]).logits[0], toks) for row_parts in parts for toks in row_parts).backward()
+    ours = dict(model.named_parameters())
+    # transformers' embedding has padding_idx = pad_token_id (the EOS token here) and never
+    # trains that row; ours does, since EOS ends every completion it learns to sample
+    pad = hf.get_input_embeddings().padding_idx
+    compared = 0
+    for pname, p in hf.named_parameters():
+        if p.grad is None:
+            continue
+        assert ours[pname].grad is not None, pname
+        mine, theirs = ours[pname].grad, p.grad
+        if p is hf.get_input_embeddings().weight and pad is not None:
+            keep = torch.arange(len(theirs)) != pad
+            mine, theirs = mine[keep], theirs[keep]
+        scale = theirs.abs().max().item()
+        torch.testing.assert_close(mine, theirs, atol=1e-5 * max(scale, 1.0), rtol=1e-4, msg=lambda m, name=pname: f"{name}: {m}")
+        compared += 1
+    assert compared > 10
+    model.zero_grad()
+
+
 def test_ragged_cached_steps_match_full_forward(arch):
     """One call mixes a decode row, a continued prefill and a fresh prefill, as the engine does
     (rows 0 and 1 cross 32 tokens, where GLM-5's DSA starts to select keys)."""
