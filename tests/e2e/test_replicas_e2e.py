@@ -1,4 +1,5 @@
-"""`primerl run` with two inference replicas, one SIGKILLed mid-run: the run still finishes."""
+"""`primerl run` with two inference replicas, one SIGKILLed mid-run: the run still finishes,
+and the launcher starts the lost server again (inference.max_restarts)."""
 
 import json
 import os
@@ -34,9 +35,11 @@ def pid_serving(port: int) -> int | None:
 
 
 def test_a_run_survives_losing_one_of_two_inference_servers(tmp_path):
+    """With restarts off the lost server stays down and the run finishes on the other."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
-                             "--inference.replicas", "2", "--max-steps", "6", "--output-dir", str(out), *SMALL],
+                             "--inference.replicas", "2", "--inference.max_restarts", "0", "--max-steps", "6",
+                             "--output-dir", str(out), *SMALL],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed: dict[str, int] = {}
 
@@ -74,10 +77,51 @@ def test_a_run_survives_losing_one_of_two_inference_servers(tmp_path):
     assert "ejected from routing" in (out / "logs" / "orchestrator.log").read_text()
 
 
-def test_losing_every_inference_server_stops_the_run_with_the_cause(tmp_path):
+def test_a_lost_server_is_started_again_and_readmitted_with_the_current_weights(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
                              "--inference.replicas", "2", "--max-steps", "1000", "--output-dir", str(out), *SMALL],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, orchestrator_log = out / "metrics.jsonl", out / "logs" / "orchestrator.log"
+
+    def rows() -> list[dict]:
+        return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+    try:
+        deadline = time.time() + 300
+        while len(rows()) < 2:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        url = read_toml(out / "config.toml")["inference"]["urls"][1]
+        os.kill(pid_serving(int(url.rsplit(":", 1)[1])), signal.SIGKILL)
+        killed_at = len(rows())
+        back = f"inference server {url} answers /health: back in routing with policy v"
+        # readmitted, and a later step trained with both servers up again
+        while not (back in orchestrator_log.read_text() and rows()[-1]["inference/servers_up"] == 2
+                   and len(rows()) > killed_at + 1):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    said = " ".join(stdout.split())  # the live view wraps long lines
+    assert "the inference-1 process exited with code -9; restarting it (1 of at most 3)" in said, stdout + stderr
+    assert proc.returncode == 130, stdout + stderr
+    assert f"inference server {url} ejected from routing" in orchestrator_log.read_text()
+    steps = [r["step"] for r in rows()]
+    assert steps == list(range(1, len(steps) + 1))  # nothing lost or trained twice meanwhile
+
+
+def test_losing_every_inference_server_stops_the_run_with_the_cause(tmp_path):
+    """Both servers lost at once: nothing is left to serve while one restarts, so the run
+    stops (restarts off: the two kills must not straddle a check of the launcher's)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                             "--inference.replicas", "2", "--inference.max_restarts", "0", "--max-steps", "1000",
+                             "--output-dir", str(out), *SMALL],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300

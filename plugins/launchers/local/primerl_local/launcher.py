@@ -15,8 +15,11 @@ Replicas: ``inference.replicas`` N > 1 starts N inference servers, ``inference-<
 The ports picked are written into the config as ``inference.urls``, which is where the
 orchestrator and the trainer find the servers. The orchestrator survives a server that
 dies (its requests are re-sent to the others), so one inference process exiting is shown
-and the run goes on; only when every one has exited (or the only one, with N = 1) does the
-launcher stop the run.
+and the run goes on: the launcher starts it again on its port, up to
+``inference.max_restarts`` times per server, and the orchestrator readmits it with the
+current weights once its ``/health`` answers. A server that exits with no other one up is
+not restarted: when every one has exited (or the only one, with N = 1), the launcher stops
+the run.
 
 Prefill/decode: ``inference.prefill_replicas`` P and ``decode_replicas`` D (both set) start
 P servers ``inference-prefill-<i>`` and D servers ``inference-decode-<j>`` instead, each with
@@ -201,26 +204,43 @@ class LocalLauncher:
             children = [(name, "inference", port, role)
                         for name, port, role in zip(names, ports, inference_roles(cfg))]
             children += [(kind, kind, None, None) for kind in CHILDREN if kind != "inference"]
-            for name, kind, port, role in children:
-                log = open(run_dir.log(name), "w")  # noqa: SIM115 - the child keeps it as its stdout
+            spec = {name: (kind, port, role) for name, kind, port, role in children}
+
+            def start(name: str, mode: str = "w") -> None:
+                kind, port, role = spec[name]
+                log = open(run_dir.log(name), mode)  # noqa: SIM115 - the child keeps it as its stdout
                 procs[name] = subprocess.Popen(
                     child_command(kind, cfg, run_dir, port, role), stdout=log, stderr=subprocess.STDOUT,
                     env=child_env(kind, cfg, env, run_dir), preexec_fn=own_group_and_die_with_parent,
                     cwd=os.getcwd(),
                 )
-            gone: list[str] = []  # inference replicas that exited, in the order seen
+
+            for name in spec:
+                start(name)
+            gone: list[str] = []  # inference replicas that exited for good, in the order seen
+            restarts = dict.fromkeys(names, 0)
             with view:
                 while True:
                     view.refresh()
                     if procs["trainer"].poll() == 0:
                         break
                     for name in names:
-                        if name not in gone and procs[name].poll() is not None:
-                            gone.append(name)
-                            if len(gone) < len(names):
-                                view.note(f"warning: the {name} process exited with code {procs[name].returncode}; "
-                                          f"{len(names) - len(gone)} of {len(names)} inference servers left, the "
-                                          f"run goes on (log: {run_dir.log(name)})")
+                        if name in gone or procs[name].poll() is None:
+                            continue
+                        rc = procs[name].returncode
+                        serving = sum(procs[n].poll() is None for n in names)
+                        if serving and restarts[name] < cfg.inference.max_restarts:
+                            restarts[name] += 1
+                            view.note(f"warning: the {name} process exited with code {rc}; restarting it "
+                                      f"({restarts[name]} of at most {cfg.inference.max_restarts}), {serving} of "
+                                      f"{len(names)} inference servers serve meanwhile (log: {run_dir.log(name)})")
+                            start(name, "a")
+                            continue
+                        gone.append(name)
+                        if len(gone) < len(names):
+                            view.note(f"warning: the {name} process exited with code {rc}; "
+                                      f"{len(names) - len(gone)} of {len(names)} inference servers left, the "
+                                      f"run goes on (log: {run_dir.log(name)})")
                     failed = [(n, p.returncode) for n, p in procs.items()
                               if n not in names and p.poll() not in (None, 0)]
                     if len(gone) == len(names) or failed:
