@@ -44,6 +44,22 @@ def random_ids(*shape, seed=0):
     return torch.randint(0, VOCAB_SIZE, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def packed_rows(rows, seed):
+    """Random sequences of the lengths in ``rows`` (one list per row), packed as the trainer
+    packs them, rows right-padded: (the sequences per row, ids, positions, segment_ids
+    [B, S], lengths [B]). Sequence j of row r is seeded ``seed[0] + seed[1] * r + len``."""
+    S = max(sum(lens) for lens in rows)
+    parts = [[random_ids(1, n, seed=seed[0] + seed[1] * r + n)[0] for n in lens] for r, lens in enumerate(rows)]
+    ids = torch.zeros(len(rows), S, dtype=torch.long)
+    positions, segments = torch.zeros_like(ids), torch.zeros_like(ids)
+    for r, lens in enumerate(rows):
+        n = sum(lens)
+        ids[r, :n] = torch.cat(parts[r])
+        positions[r, :n] = torch.cat([torch.arange(k) for k in lens])
+        segments[r, :n] = torch.cat([torch.full((k,), i) for i, k in enumerate(lens)])
+    return parts, ids, positions, segments, torch.tensor([sum(lens) for lens in rows])
+
+
 def forward(model, ids, lengths=None, **kw):
     B, S = ids.shape
     lengths = torch.full((B,), S) if lengths is None else lengths
@@ -73,16 +89,7 @@ def test_packed_rows_match_separate_forwards(arch, unpack, monkeypatch):
     _, _, model = arch
     monkeypatch.setattr(model, "unpack_segments", unpack)
     rows = [[4, 40, 14, 20], [5, 36]]  # GLM-5's DSA scores the queries past its 32 keys, in some sequences only
-    S = sum(rows[0])
-    parts = [[random_ids(1, n, seed=10 + 7 * r + n)[0] for n in lens] for r, lens in enumerate(rows)]
-    ids = torch.zeros(len(rows), S, dtype=torch.long)
-    positions, segments = torch.zeros_like(ids), torch.zeros_like(ids)
-    for r, lens in enumerate(rows):
-        n = sum(lens)
-        ids[r, :n] = torch.cat(parts[r])
-        positions[r, :n] = torch.cat([torch.arange(k) for k in lens])
-        segments[r, :n] = torch.cat([torch.full((k,), i) for i, k in enumerate(lens)])
-    lengths = torch.tensor([sum(lens) for lens in rows])
+    parts, ids, positions, segments, lengths = packed_rows(rows, seed=(10, 7))
     layout = make_batch(positions, lengths, segments, None, None, None, unpack_segments=unpack)
     assert (layout.segments is not None) == unpack and (layout.visible is None) == unpack
     with torch.no_grad():
@@ -106,16 +113,7 @@ def test_training_gradients_on_packed_rows_match_transformers(arch, rows):
     GEMMs). The gradient of every weight equals transformers' on the sequences one by one."""
     name, adapter, model = arch
     hf = hf_twin(adapter, model)
-    S = max(sum(lens) for lens in rows)
-    parts = [[random_ids(1, n, seed=3 + 5 * r + n)[0] for n in lens] for r, lens in enumerate(rows)]
-    ids = torch.zeros(len(rows), S, dtype=torch.long)
-    positions, segments = torch.zeros_like(ids), torch.zeros_like(ids)
-    for r, lens in enumerate(rows):
-        n = sum(lens)
-        ids[r, :n] = torch.cat(parts[r])
-        positions[r, :n] = torch.cat([torch.arange(k) for k in lens])
-        segments[r, :n] = torch.cat([torch.full((k,), i) for i, k in enumerate(lens)])
-    lengths = torch.tensor([sum(lens) for lens in rows])
+    parts, ids, positions, segments, lengths = packed_rows(rows, seed=(3, 5))
 
     def loss_of(logits, toks):  # next-token cross-entropy of one sequence, summed
         return torch.nn.functional.cross_entropy(logits[:-1], toks[1:], reduction="sum")
