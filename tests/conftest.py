@@ -72,6 +72,25 @@ def venv(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="module")
+def glm5():
+    """The tiny GLM-5 preset (seed 1) and its tokenizer: the model the KV-store tests serve."""
+    from primerl.models import ModelConfig
+    from primerl.registry import get_registry
+
+    adapter = get_registry().load("model", "glm5")()
+    cfg = ModelConfig(name="glm5", preset="tiny", seed=1)
+    return adapter.build(cfg), adapter.tokenizer(cfg)
+
+
+def greedy(n=8):
+    """Greedy sampling of ``n`` tokens, EOS ignored, routed experts returned: runs that must
+    come out the same whether a prefix was computed or restored."""
+    from primerl_embedded.engine import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, return_routed_experts=True)
+
+
 def free_port() -> int:
     import socket
 

@@ -3,7 +3,8 @@ and the slot-level adapter over a block store (BlockSlotStore, TieredKVStore) on
 
 import pytest
 import torch
-from primerl_embedded.engine import Engine, SamplingParams
+from conftest import greedy
+from primerl_embedded.engine import Engine
 from primerl_kv_memory.store import MemoryStore
 
 from primerl.kv_stores import (
@@ -39,17 +40,6 @@ class DictBlocks:
     def put(self, blocks):
         for b in blocks:
             self.data.setdefault(b.key, encode_block(b))
-
-
-@pytest.fixture(scope="module")
-def glm5():
-    adapter = get_registry().load("model", "glm5")()
-    cfg = ModelConfig(name="glm5", preset="tiny", seed=1)
-    return adapter.build(cfg), adapter.tokenizer(cfg)
-
-
-def greedy(n=8):
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, return_routed_experts=True)
 
 
 def test_cache_read_and_write_round_trip_a_span_of_positions():

@@ -6,7 +6,8 @@ import inspect
 
 import pytest
 import torch
-from primerl_embedded.engine import Engine, SamplingParams
+from conftest import greedy
+from primerl_embedded.engine import Engine
 from primerl_kv_disk.store import DiskBlocks, DiskStore, SpillingMemoryStore
 
 from primerl.kv_stores import KVBlock, KVStore
@@ -19,10 +20,6 @@ def model(request):
     adapter = get_registry().load("model", request.param)()
     cfg = ModelConfig(name=request.param, preset="tiny", seed=1)
     return adapter.build(cfg), adapter.tokenizer(cfg), adapter.moe_layout(cfg)["num_experts"]
-
-
-def greedy(n=8):
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, return_routed_experts=True)
 
 
 def engine(model, store, **kw):

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from primerl.kv_stores import KVStore
-from primerl.models import ModelConfig
 from primerl.registry import get_registry
 
 install = pytest.importorskip("primerl_kv_mooncake.install", reason="the mooncake KV store plugin is not installed: "
@@ -28,7 +27,8 @@ try:
 except install.MooncakeUnavailable as exc:
     pytest.skip(str(exc), allow_module_level=True)
 
-from primerl_embedded.engine import Engine, SamplingParams
+from conftest import greedy
+from primerl_embedded.engine import Engine
 from primerl_kv_mooncake.master import ENV_MASTER, ENV_METADATA, MooncakeMaster, start_master
 from primerl_kv_mooncake.store import MooncakeStore
 
@@ -39,17 +39,6 @@ SMALL = dict(segment_bytes=64 << 20, buffer_bytes=16 << 20)  # what each test cl
 def master():
     with start_master() as m:
         yield m
-
-
-@pytest.fixture(scope="module")
-def glm5():
-    adapter = get_registry().load("model", "glm5")()
-    cfg = ModelConfig(name="glm5", preset="tiny", seed=1)
-    return adapter.build(cfg), adapter.tokenizer(cfg)
-
-
-def greedy(n=8):
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, return_routed_experts=True)
 
 
 def engine(glm5, store):
