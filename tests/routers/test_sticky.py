@@ -90,7 +90,8 @@ def test_new_sessions_avoid_the_server_metrics_show_busy(router, servers):
     def hammer():
         with httpx.Client(timeout=120) as http:
             while not stop.is_set():
-                http.post(busy + COMPLETIONS, json={"model": "glm5", "prompt": [5] * 32, "max_tokens": 200, "n": 4})
+                http.post(busy + COMPLETIONS, json={"model": "glm5", "prompt": [5] * 32, "max_tokens": 200, "n": 4,
+                                                    "ignore_eos": True})
 
     threads = [threading.Thread(target=hammer) for _ in range(2)]
     for t in threads:

@@ -65,13 +65,15 @@ def test_passes_primerl_responses_through_and_stops_with_no_orphan(servers):
     url = router.route(Route(path="/v1/completions", session="g-1"))
     assert url == router.url and url not in servers
     r = httpx.post(url + "/v1/completions", timeout=60,
-                   json={"model": "glm5", "prompt": [11, 12, 13, 14], "max_tokens": 4, "logprobs": 0})
+                   json={"model": "glm5", "prompt": [11, 12, 13, 14], "max_tokens": 4, "logprobs": 0,
+                         "ignore_eos": True})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert len(choice["token_ids"]) == 4 and choice["policy_versions"] == [0, 0, 0, 0]
     assert len(choice["logprobs"]["token_logprobs"]) == 4
     r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                   json={"model": "glm5", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2})
+                   json={"model": "glm5", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2,
+                         "ignore_eos": True})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["prompt_token_ids"] and len(body["choices"]) == 2
@@ -181,7 +183,8 @@ def test_through_the_orchestrators_client(servers):
         try:
             before = [requests_served(u) for u in servers]
             for i in range(4):
-                out = await client.completions({"model": "glm5", "prompt": [8, 9, i], "max_tokens": 2},
+                out = await client.completions({"model": "glm5", "prompt": [8, 9, i], "max_tokens": 2,
+                                                "ignore_eos": True},
                                                session=f"s{i}")
                 assert out["choices"][0]["policy_versions"] == [0, 0]
             return [requests_served(u) - b for u, b in zip(servers, before)]
