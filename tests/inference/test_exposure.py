@@ -65,7 +65,7 @@ def test_every_endpoint_refuses_requests_without_the_key(exposed, method, path):
 def test_with_the_key_requests_are_served(exposed):
     url, auth = exposed
     r = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
-                   json={"model": "glm5", "prompt": "hello", "max_tokens": 4})
+                   json={"model": "glm5", "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["token_ids"]) == 4
 

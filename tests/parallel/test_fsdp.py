@@ -122,6 +122,7 @@ def test_a_run_trains_with_two_trainer_ranks_and_expert_parallel(tmp_path):
     assert "parallelism fsdp on mesh (dp_replicate=1, dp_shard=2, cp=1)" in log and "over ep" in log
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]  # rank 0 alone writes
-    assert rows[0]["routing_agreement"] == 1.0 and rows[0]["mismatch_kl"] < 1e-6  # on-policy, replayed
+    # on-policy, replayed: the trainer's own choice may differ only at near-ties (~1e-7 apart)
+    assert rows[0]["routing_agreement"] >= 0.99 and rows[0]["mismatch_kl"] < 1e-6
     assert (out / "checkpoints" / "step_000002" / "optimizer" / ".metadata").exists()
     assert (out / "weights" / "step_000002" / "STABLE").exists()

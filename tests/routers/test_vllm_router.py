@@ -89,7 +89,7 @@ def test_consistent_hash_keeps_a_session_on_one_server_by_its_header(servers):
     router.start(servers)
     try:
         places = set()
-        for s in range(6):
+        for s in range(24):  # the ring hashes the run's free ports: 6 sessions all land on one ~3% of runs
             route = Route(path="/v1/completions", session=f"episode-{s}")
             assert router.headers(route) == {"X-Session-ID": f"episode-{s}"}
             seen = set()
@@ -102,7 +102,7 @@ def test_consistent_hash_keeps_a_session_on_one_server_by_its_header(servers):
                 seen |= {u for u, x, y in zip(servers, before, after) if y > x}
             assert len(seen) == 1, f"session {s} was served by {seen}"
             places |= seen
-        assert places == set(servers)  # six sessions hash onto both
+        assert places == set(servers)  # 24 sessions hash onto both (all on one: ~1e-7)
         assert router.headers(Route(path="/v1/completions")) == {}
     finally:
         router.close()
