@@ -63,6 +63,16 @@ def test_impossible_combinations_are_rejected():
         load_config(ConfigSources(overrides=[("orchestrator.async_level", "3"),
                                              ("orchestrator.max_off_policy_steps", "2")]))
 
+    with pytest.raises(ConfigError, match="trainer.precision = 'float32' with the fsdp strategy on CUDA.*--trainer.precision"):
+        load_config(ConfigSources(overrides=[("trainer.device", "cuda"), ("trainer.nproc", "2"),
+                                             ("trainer.precision", "float32")]))
+    auto = load_config(ConfigSources(overrides=[("trainer.device", "cuda"), ("trainer.nproc", "2")])).trainer
+    assert auto.resolved_precision() == "bfloat16"
+    import torch
+
+    on_this_machine = "bfloat16" if torch.cuda.is_available() else "float32"
+    assert load_config(ConfigSources()).trainer.resolved_precision() == on_this_machine
+
 
 def test_unknown_plugin_is_a_config_error():
     with pytest.raises(ConfigError, match="no env named 'nope'"):

@@ -273,6 +273,11 @@ class TrainerConfig:
     # activations in 1x128 tiles, e4m3, fp32 scales); routers, norms, embeddings and the
     # head stay high precision. Emulated with torch's float8 dtypes on CPU.
     fp8: bool = False
+    # the dtype the trainer's matmuls compute in (torch.autocast): "auto" is "bfloat16" on
+    # CUDA and "float32" on the CPU; "bfloat16" on a CPU pays where it has bf16 instructions
+    # (AVX512-BF16, AMX). Master weights, optimizer state, routers, norms, the head and the
+    # loss stay float32 either way. With the fsdp strategy on CUDA, FSDP2 computes in bf16.
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
     parallel: ParallelConfig = attrs.field(factory=lambda: ParallelConfig())  # [trainer.parallel]: the device mesh
 
     def resolved_parallelism(self) -> str:
@@ -289,6 +294,19 @@ class TrainerConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_precision(self) -> str:
+        """``precision``, with ``auto`` resolved: bfloat16 on CUDA, else float32."""
+        if self.precision != "auto":
+            return self.precision
+        return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+
+    def precision_problem(self, device: str) -> str | None:
+        """Why ``precision`` cannot hold on ``device``, or None."""
+        if self.precision == "float32" and device == "cuda" and self.resolved_parallelism() == "fsdp":
+            return ("trainer.precision = 'float32' with the fsdp strategy on CUDA: FSDP2 computes in bfloat16 there "
+                    "(float32 master weights and gradient reductions); set --trainer.precision auto or bfloat16")
+        return None
 
 
 @attrs.define(kw_only=True)
@@ -391,6 +409,8 @@ class RunConfig:
         if not 0 < o.top_p <= 1:
             raise ConfigError(f"orchestrator.top_p must be in (0, 1], got {o.top_p}")
         self.trainer.parallel.resolved(self.trainer_world_size())
+        if self.trainer.device == "cuda" and (problem := self.trainer.precision_problem("cuda")):
+            raise ConfigError(f"{problem} ({_src(sources, 'trainer.precision')})")
         if not _is_loopback(self.inference.host) and not self.inference.resolved_api_key():
             raise ConfigError(
                 f"inference.host = {self.inference.host!r} ({_src(sources, 'inference.host')}) exposes the inference "

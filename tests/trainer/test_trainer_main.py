@@ -161,6 +161,42 @@ def test_sft_warmup_changes_v0_and_prunes_old_weights(tmp_path):
     assert sorted(p.name for p in run.weights.iterdir()) == [run.weights_step(n).name for n in range(2, 6)]
 
 
+def test_bf16_precision_computes_in_bf16_and_keeps_weights_router_and_head_in_float32(tmp_path, capsys):
+    """``trainer.precision bfloat16`` on the CPU: the same batch as a float32 trainer, off by
+    bf16 rounding only; weights published in float32."""
+    stats = {}
+    for precision in ("float32", "bfloat16"):
+        out = tmp_path / precision
+        cfg = _config(out, **{"max_steps": 1, "trainer.precision": precision})
+        _write_rollouts(cfg, [1])
+        trainer.main(cfg)
+        assert f"{precision} compute" in capsys.readouterr().out
+        stats[precision] = json.loads(RunDir(out).metrics.read_text().splitlines()[0])
+        assert all(t.dtype == torch.float32 for t in _weights(out, 1).values() if t.is_floating_point())
+    fp32, bf16 = stats["float32"], stats["bfloat16"]
+    # batch 1 was scored in float32 by v0: exact for the float32 trainer, bf16
+    # rounding (about 3 significant digits per matmul) for the other
+    assert fp32["mismatch_kl"] < 1e-6 and fp32["mismatch_kl"] < bf16["mismatch_kl"] < 1e-3
+    assert bf16["routing_agreement"] > 0.9  # the router decides in float32 on bf16-rounded inputs
+    assert bf16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=0.05)
+
+
+def test_under_autocast_the_router_scores_and_the_logits_stay_float32():
+    from primerl.models import ModelConfig
+    from primerl.registry import get_registry
+
+    model = get_registry().load("model", "glm5")().build(ModelConfig(name="glm5", preset="tiny", seed=0))
+    ids = torch.randint(10, 250, (2, 24), generator=torch.Generator().manual_seed(0))
+    args = (ids, torch.arange(24).expand(2, 24), torch.tensor([24, 24]))
+    router = model.model.layers[1].mlp.gate
+    x = torch.randn(48, model.config.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(*args)
+        routing = router(x, torch.ones(48, dtype=torch.bool))
+    assert out.logits.dtype == torch.float32 and routing.weights.dtype == torch.float32
+    assert torch.equal(routing.ids, router(x, torch.ones(48, dtype=torch.bool)).ids)  # the same choice as float32
+
+
 def test_lr_schedules():
     f = lr_factor
     assert [f(s, 2, 10, "constant") for s in range(4)] == [0.5, 1.0, 1.0, 1.0]

@@ -259,7 +259,11 @@ class DecoderLM(nn.Module):
 
         if logits_for == "last":
             x = x[torch.arange(B, device=device), (lengths - 1).clamp(min=0)]  # [B, hidden]
-        logits = self.lm_head(self.final_norm()(x))
+        if torch.is_autocast_enabled(x.device.type):  # a bf16 trainer: the head and its logits stay float32
+            with torch.autocast(x.device.type, enabled=False):
+                logits = self.lm_head(self.final_norm()(x.float()))
+        else:
+            logits = self.lm_head(self.final_norm()(x))
         if used:
             return ModelOutput(logits, torch.stack(used, 2).to(torch.int16), torch.stack(own, 2).to(torch.int16))
         none = torch.zeros(B, S, 0, k, dtype=torch.int16, device=device)

@@ -256,7 +256,8 @@ class SigmoidRouter(nn.Module):
         weights are gathered from the router's scores at the used ids, so the router keeps
         receiving gradients under replay.
         """
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        with torch.autocast(x.device.type, enabled=False):  # float32 under a bf16 trainer's autocast too
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
         own = self.choose(scores)
         ids = own if replay is None else torch.where(valid[:, None], replay.long(), own)
         weights = scores.gather(1, ids)

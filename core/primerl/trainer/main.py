@@ -135,6 +135,8 @@ def main(cfg: RunConfig) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise PrimerlError("trainer.device is cuda but torch sees no CUDA GPU (a CPU build of torch, or no GPU "
                            "visible): set --trainer.device cpu or auto")
+    if problem := t.precision_problem(device):
+        raise PrimerlError(problem)
     loss_fn = get_loss(t.loss)  # fail fast on a bad name
     parallelism = load_parallelism(t.resolved_parallelism())
     owns_group = init_trainer_group(device)
@@ -142,7 +144,8 @@ def main(cfg: RunConfig) -> None:
         adapter, model, tokenizer = build_model(cfg)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"model {cfg.model.name} ({cfg.model.preset if cfg.model.checkpoint is None else cfg.model.checkpoint}), "
-            f"{n_params / 1e6:.2f}M parameters, float32 master weights on {device}")
+            f"{n_params / 1e6:.2f}M parameters, float32 master weights on {device}, "
+            f"{t.resolved_precision()} compute")
         if t.fp8:
             from primerl.trainer.fp8 import apply_fp8_training_
 

@@ -26,7 +26,7 @@ from primerl.samples import Sample
 from primerl.trainer import log
 from primerl.trainer.optim import make_optimizer
 from primerl.trainer.packing import pack
-from primerl.trainer.step import RouterBalancer, micro_batches, row_forward
+from primerl.trainer.step import RouterBalancer, compute_precision, micro_batches, row_forward
 
 
 def sft_samples(env: Any, tasks: list[Any], tokenizer: Any) -> list[Sample]:
@@ -78,7 +78,7 @@ def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, paralleli
             mask = row["loss_mask"] & real  # [k, m]
             if alone and not bool(mask.any()):
                 continue
-            lp, out = row_forward(model, row, replay=False)  # [k, m]
+            lp, out = row_forward(model, row, replay=False, precision=compute_precision(cfg.trainer))  # [k, m]
             balancer.observe(out.router_experts, real)
             loss = -(lp * mask).sum() / normalizer
             loss.backward()

@@ -16,28 +16,40 @@ importance ratio is 1 when trainer and engine hold the same weights.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
-from primerl.config import RunConfig
+from primerl.config import RunConfig, TrainerConfig
 from primerl.parallel import Parallelism, world_size
 from primerl.sampling import token_logprobs
 from primerl.trainer.loss import LossFn
 from primerl.trainer.packing import PackedBatch
 
 
-def row_forward(model: torch.nn.Module, row: dict[str, torch.Tensor | None], replay: bool) -> tuple[torch.Tensor, Any]:
+def compute_precision(t: TrainerConfig) -> AbstractContextManager:
+    """The trainer's forwards under ``trainer.precision``: bf16 matmuls through
+    ``torch.autocast`` (weights stay float32; the routers and the head opt out of it,
+    softmaxes and the loss run in float32), or float32 as the weights are."""
+    if t.resolved_precision() != "bfloat16":
+        return nullcontext()
+    return torch.autocast(t.resolved_device(), dtype=torch.bfloat16)
+
+
+def row_forward(model: torch.nn.Module, row: dict[str, torch.Tensor | None], replay: bool,
+                precision: AbstractContextManager | None = None) -> tuple[torch.Tensor, Any]:
     """Trainer logprobs of packed rows' targets ([k, m]; row tensors are [k, m, ...]) and the
-    model output (for its routing)."""
-    out = model(
-        row["input_ids"],
-        row["positions"],
-        row["lengths"],
-        segment_ids=row["segment_ids"],
-        replay_experts=row["replay_experts"] if replay else None,
-        logits_for="all",
-    )
+    model output (for its routing), the forward under ``precision`` (:func:`compute_precision`)."""
+    with precision or nullcontext():
+        out = model(
+            row["input_ids"],
+            row["positions"],
+            row["lengths"],
+            segment_ids=row["segment_ids"],
+            replay_experts=row["replay_experts"] if replay else None,
+            logits_for="all",
+        )
     # logits [k, m, V]; temperature per position [k, m]
     return token_logprobs(out.logits, row["targets"], row["temperatures"]), out
 
@@ -119,7 +131,7 @@ def rl_step(
         mask = row["loss_mask"] & real  # [k, m]
         if alone and not bool(mask.any()):
             continue  # nothing to learn from these rows
-        lp, out = row_forward(model, row, replay)  # [k, m]
+        lp, out = row_forward(model, row, replay, compute_precision(t))  # [k, m]
         balancer.observe(out.router_experts, real)
         if t.routing_metrics and row["replay_experts"] is not None and out.router_experts.shape[2]:
             agree = routing_agreement(out.router_experts, row["replay_experts"], real)
