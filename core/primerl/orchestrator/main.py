@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import itertools
 import json
 import random
@@ -626,6 +627,10 @@ def main(cfg: RunConfig) -> None:
     env = registry.load("env", cfg.env.name)(cfg.env)
     resolved_key = getattr(cfg.inference, "resolved_api_key", None)  # servers that require a key
     client = inference_client(cfg, servers=inference_urls(cfg), api_key=resolved_key() if resolved_key else None)
+    # What exists now (modules, the env's tasks) lives as long as the run: frozen out of the
+    # collector's sight, the occasional full collection scans only what rollouts make since
+    # (in steady state the full ones took ~13% of this process's CPU on the quick start)
+    gc.freeze()
 
     async def go() -> None:
         try:
