@@ -259,9 +259,9 @@ class DecoderLM(nn.Module):
 
         if logits_for == "last":
             x = x[torch.arange(B, device=device), (lengths - 1).clamp(min=0)]  # [B, hidden]
-        if torch.is_autocast_enabled(x.device.type):  # a bf16 trainer: the head and its logits stay float32
-            with torch.autocast(x.device.type, enabled=False):
-                logits = self.lm_head(self.final_norm()(x.float()))
+        if torch.is_autocast_enabled(x.device.type):  # a bf16 trainer: the head computes in the dtype of
+            with torch.autocast(x.device.type, enabled=False):  # the residual stream and weights (float32
+                logits = self.lm_head(self.final_norm()(x))  # unless FSDP2 casts the parameters to bf16)
         else:
             logits = self.lm_head(self.final_norm()(x))
         if used:
