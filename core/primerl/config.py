@@ -81,7 +81,7 @@ class InferenceConfig:
     # spreads requests over them through the router, re-sends a dead one's requests to
     # another, and readmits it with the current weights when its /health answers again
     replicas: int = attrs.field(default=1, validator=_positive)
-    # local launcher: times each inference server that exits while another one still serves
+    # local and slurm launchers: times each inference server that exits while another one serves
     # is started again on its port (the orchestrator readmits it with the current weights);
     # past that, or with no other server up, it stays down (and with none up the run stops)
     max_restarts: int = attrs.field(default=3, validator=_non_negative)

@@ -317,3 +317,36 @@ def test_ctrl_c_cancels_the_job(slurm, tmp_path):
     while _processes_of(out) and time.time() < deadline:
         time.sleep(0.5)
     assert _processes_of(out) == []
+
+
+@pytest.mark.slow
+def test_a_lost_inference_server_is_started_again_inside_the_job(slurm, tmp_path):
+    """Two servers in the job's inference step; one is SIGKILLed mid-run: its task starts it
+    again on its port, the orchestrator readmits it, and the job completes."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                             "--launcher", "slurm", "--inference.replicas", "2", "--max-steps", "200",
+                             "--output-dir", str(out), *SMALL],
+                            env={**os.environ, **slurm}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    servers = [p for p in _processes_of(out) if "primerl.cli inference" in p]  # not their tasks' bash
+    assert len(servers) == 2, servers
+    victim = servers[0]
+    port = re.search(r"--inference\.port (\d+)", victim).group(1)
+    os.kill(int(victim.split(":", 1)[0]), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout + stderr
+    assert f"Slurm job {_job_id(stdout)}: COMPLETED" in stdout
+    logs = "".join((out / "logs" / f"inference-{i}.log").read_text() for i in (0, 1))
+    assert "the server exited with code 137; restarting it (1 of at most 3)" in logs
+    orchestrator = (out / "logs" / "orchestrator.log").read_text()
+    assert f":{port} answers /health: back in routing" in orchestrator, orchestrator[-2000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 201))
+    assert rows[-1]["inference/servers_up"] == 2  # serving again by the end
+    time.sleep(1)
+    assert _processes_of(out) == []

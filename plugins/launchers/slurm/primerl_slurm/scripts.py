@@ -23,7 +23,8 @@ With one node every role is on it. The batch script runs on the job's first node
    first);
 4. follows them as the local launcher follows its children: the job succeeds when the
    trainer finishes its last step; the trainer or orchestrator failing, or every inference
-   server exiting, fails it. The cause goes to ``OUT/slurm/job-<id>.status``
+   server exiting, fails it (a server that exits while another serves is started again by
+   its own task: ``RESTARTING_SERVER``). The cause goes to ``OUT/slurm/job-<id>.status``
    (``rc``, ``role``, ``message``), the others get SIGTERM and the script exits with the
    failing role's code, which becomes the job's.
 
@@ -226,6 +227,8 @@ done
   echo "urls = [$(join "${{URLS[@]}}")]"
 {pd_urls}}} > "$PRIMERL_JOB_TOML.tmp" && mv -f "$PRIMERL_JOB_TOML.tmp" "$PRIMERL_JOB_TOML"
 export PRIMERL_PORTS="${{PORTS[*]}}" PRIMERL_BIND={_q(bind)} PRIMERL_SERVER_ROLES={_q(' '.join(lay.roles))}
+export PRIMERL_UP_DIR="$SLURM_DIR/job-$SLURM_JOB_ID.up"  # a file per inference server running now
+mkdir -p "$PRIMERL_UP_DIR"
 {disk}
 export PRIMERL_RDZV="${{TRAINER_HOSTS[0]}}:{cfg.launcher.rdzv_port}"
 export PRIMERL_MOONCAKE_HOST={_q(inf.host) if lay.shared else '"$HEAD"'}
@@ -294,6 +297,31 @@ say "Mooncake master at $PRIMERL_MOONCAKE_MASTER"
 """
 
 
+# An inference task runs its server again on its port when it exits while another server of
+# the job serves (each running server holds a file in PRIMERL_UP_DIR), up to
+# inference.max_restarts times, as the local launcher does: the orchestrator re-sends the lost
+# requests and readmits the server with the current weights once /health answers. A server
+# that stops cleanly, is stopped (SIGTERM/SIGINT: the job ends), exits on a config error (2)
+# or is the last one up is not restarted; the batch script ends the job when every server
+# has exited.
+RESTARTING_SERVER = """up="$PRIMERL_UP_DIR/$SLURM_PROCID"
+restarts=0
+while :; do
+  touch "$up"
+  {server} &
+  pid=$!
+  trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid"; rm -f "$up"; exit 143' TERM INT
+  rc=0
+  wait "$pid" || rc=$?
+  rm -f "$up"
+  serving=$(find "$PRIMERL_UP_DIR" -type f | wc -l)
+  case $rc in 0 | 2 | 130 | 143) exit "$rc" ;; esac
+  if [ "$restarts" -ge {max_restarts} ] || [ "$serving" -eq 0 ]; then exit "$rc"; fi
+  restarts=$(( restarts + 1 ))
+  echo "[primerl] the server exited with code $rc; restarting it ($restarts of at most {max_restarts})" >&2
+done"""
+
+
 def role_scripts(cfg: RunConfig, lay: Layout) -> dict[str, str]:
     """``OUT/slurm/<role>.sh``: what each task of a role's step runs (the batch script
     exports ``PRIMERL_*``)."""
@@ -312,15 +340,15 @@ def role_scripts(cfg: RunConfig, lay: Layout) -> dict[str, str]:
         trainer = f"exec {cli} trainer {files}"
     if nproc > 1:  # torchrun's ranks split the task's threads
         trainer = f't=$(( ${{OMP_NUM_THREADS:-{nproc}}} / {nproc} )); export OMP_NUM_THREADS=$(( t > 0 ? t : 1 )) MKL_NUM_THREADS=$(( t > 0 ? t : 1 ))\n' + trainer
+    server = (f'{cli} inference {files} --inference.host "$PRIMERL_BIND" --inference.port "${{ports[$SLURM_LOCALID]}}"'
+              + (' --inference.role "${roles[$SLURM_PROCID]}"' if lay.prefill else ""))
     scripts = {
         "inference": (
             "# server SLURM_PROCID of the job's (SLURM_LOCALID of its node's): its port in PRIMERL_PORTS,\n"
             "# its part (prefill/decode) in PRIMERL_SERVER_ROLES\n"
             "read -r -a ports <<< \"$PRIMERL_PORTS\"\n"
             + ("read -r -a roles <<< \"$PRIMERL_SERVER_ROLES\"\n" if lay.prefill else "")
-            + f'exec {cli} inference {files} --inference.host "$PRIMERL_BIND" '
-            '--inference.port "${ports[$SLURM_LOCALID]}"'
-            + (' --inference.role "${roles[$SLURM_PROCID]}"' if lay.prefill else "")),
+            + RESTARTING_SERVER.format(server=server, max_restarts=cfg.inference.max_restarts)),
         "orchestrator": f"exec {cli} orchestrator {files}",
         "trainer": trainer,
     }
