@@ -44,6 +44,7 @@ from primerl.models.layers import (
     init_normal_,
     rope_angles,
     rope_rotation,
+    without_autocast,
 )
 from primerl.models.mamba2 import Mamba2Mixer
 from primerl.models.mla import MLAttention
@@ -259,10 +260,9 @@ class DecoderLM(nn.Module):
 
         if logits_for == "last":
             x = x[torch.arange(B, device=device), (lengths - 1).clamp(min=0)]  # [B, hidden]
-        if torch.is_autocast_enabled(x.device.type):  # a bf16 trainer: the head computes in the dtype of
-            with torch.autocast(x.device.type, enabled=False):  # the residual stream and weights (float32
-                logits = self.lm_head(self.final_norm()(x))  # unless FSDP2 casts the parameters to bf16)
-        else:
+        # a bf16 trainer: the head computes in the dtype of the residual stream and weights
+        # (float32, unless FSDP2 casts the parameters to bf16)
+        with without_autocast(x.device.type):
             logits = self.lm_head(self.final_norm()(x))
         if used:
             return ModelOutput(logits, torch.stack(used, 2).to(torch.int16), torch.stack(own, 2).to(torch.int16))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -84,6 +85,12 @@ class _RMSNormCPU(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(0)  # [D]
         return dx, dw, None
+
+
+def without_autocast(device_type: str) -> AbstractContextManager:
+    """A region a bf16 trainer's ``torch.autocast`` must not reach (the routers, the head):
+    autocast turned off there; nothing at all when it is not on (decode steps pay nothing)."""
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
 
 
 def relu2(x: Tensor) -> Tensor:
@@ -256,7 +263,7 @@ class SigmoidRouter(nn.Module):
         weights are gathered from the router's scores at the used ids, so the router keeps
         receiving gradients under replay.
         """
-        with torch.autocast(x.device.type, enabled=False):  # float32 under a bf16 trainer's autocast too
+        with without_autocast(x.device.type):  # float32 under a bf16 trainer's autocast too
             scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
         own = self.choose(scores)
         ids = own if replay is None else torch.where(valid[:, None], replay.long(), own)
