@@ -231,6 +231,11 @@ class TrainerConfig:
     # packed rows per forward: gradients accumulate over a step's forwards, so this trades
     # memory for speed and leaves the update unchanged
     micro_batch_rows: int = attrs.field(default=8, validator=_positive)
+    # samples with the same prompt (a GRPO group) run it once: the prompt's positions are
+    # packed once per row with each sample's own positions branching off it (a prompt tree),
+    # the same logprobs and gradients for fewer positions. Off for models with recurrent
+    # (Mamba) layers and under context parallelism, which then pack every sample whole
+    share_prompts: bool = True
     # the loss plugin (register_losses) or a "module:function": "default" is prime-rl's
     # importance-ratio loss with probability-difference masking
     loss: str = "default"

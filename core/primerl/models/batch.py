@@ -166,6 +166,8 @@ class Batch:
     # context parallel (no cache): this rank's [B, S, *D] -> the whole rows' [B, T, *D] in
     # global token order, differentiably (see RowShard); ``visible`` is then [B, S, T]
     gather_keys: Callable[[Tensor], Tensor] | None = None
+    # [B, S] packed prompt trees: the segment a token also sees (a shared prompt), its own where none
+    prefix_ids: Tensor | None = None
     _biases: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
     _keys_seen: Tensor | None = field(default=None, repr=False)
 
@@ -235,15 +237,21 @@ def sharded_rows(shard: RowShard) -> Iterator[None]:
 
 
 def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, cache: SlotCache | None,
-               slots: Tensor | range | None, past_lens: Tensor | None, *, unpack_segments: bool = False) -> Batch:
+               slots: Tensor | range | None, past_lens: Tensor | None, *, unpack_segments: bool = False,
+               prefix_ids: Tensor | None = None) -> Batch:
     """Key visibility and cache addressing shared by all layers.
 
     ``unpack_segments``: for packed rows, lay the sequences out one per row for attention
     when that is cheaper (:class:`Segments`); the packed rows' own [B, S, S] mask is then
     never built (``visible`` is None), which is what keeps long packed rows affordable.
+    ``prefix_ids`` ([B, S], with ``segment_ids``): prompt trees, a token also sees the
+    earlier tokens of segment ``prefix_ids`` (``primerl.trainer.packing``).
     Inside :func:`sharded_rows` the :class:`RowShard` builds the batch instead.
     """
     shard = _row_shard.get()
+    if prefix_ids is not None and (segment_ids is None or cache is not None or shard is not None):
+        raise ValueError("prefix_ids (shared prompts) need packed rows (segment_ids), no cache and no "
+                         "context parallelism")
     if shard is not None:
         if cache is not None:
             raise ValueError("a forward over sharded rows (context parallel) cannot use a cache")
@@ -255,14 +263,19 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
     if cache is None:
         if slots is not None or past_lens is not None:
             raise ValueError("slots and past_lens need a cache")
-        segments = _segments(positions, valid, segment_ids) if segment_ids is not None and unpack_segments else None
+        segments = (_segments(positions, valid, segment_ids, prefix_ids)
+                    if segment_ids is not None and unpack_segments else None)
         if segments is not None:
-            return Batch(positions, lengths, valid, None, segment_ids, segments=segments)  # type: ignore[arg-type]
+            return Batch(positions, lengths, valid, None, segment_ids, segments=segments,  # type: ignore[arg-type]
+                         prefix_ids=prefix_ids)
         j = i
         visible = (j[None, :] <= i[:, None]).expand(B, S, S)  # causal
         if segment_ids is not None:
-            visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
-        batch = Batch(positions, lengths, valid, visible, segment_ids)
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
+            if prefix_ids is not None:  # and the keys of the prompt the query's segment continues
+                same = same | (prefix_ids[:, :, None] == segment_ids[:, None, :])
+            visible = visible & same
+        batch = Batch(positions, lengths, valid, visible, segment_ids, prefix_ids=prefix_ids)
     else:
         if slots is None or past_lens is None:
             raise ValueError("a cache needs slots and past_lens")
@@ -323,14 +336,15 @@ class Segments:
             self.batch.extra[key] = self.gather(value) if is_per_token else value
 
 
-def _segments(positions: Tensor, valid: Tensor, segment_ids: Tensor) -> Segments | None:
+def _segments(positions: Tensor, valid: Tensor, segment_ids: Tensor, prefix_ids: Tensor | None = None) -> Segments | None:
     """The one-sequence-per-row layout of packed rows (a sequence is a run of equal
-    ``segment_ids`` in a row), or None when it would not be cheaper than the packed rows."""
+    ``segment_ids`` in a row; with ``prefix_ids``, a run of equal ``prefix_ids``: a whole
+    prompt tree, masked within), or None when it would not be cheaper than the packed rows."""
     B, S = valid.shape
     flat = valid.flatten().nonzero().squeeze(1)  # [N], row-major
     if flat.numel() == 0:
         return None
-    sid, row = segment_ids.flatten()[flat], flat // S
+    sid, row = (segment_ids if prefix_ids is None else prefix_ids).flatten()[flat], flat // S
     first = torch.ones_like(sid, dtype=torch.bool)
     first[1:] = (sid[1:] != sid[:-1]) | (row[1:] != row[:-1])
     seq = first.cumsum(0) - 1  # [N] sequence of each token
@@ -342,8 +356,12 @@ def _segments(positions: Tensor, valid: Tensor, segment_ids: Tensor) -> Segments
         return None
     index = torch.zeros(n, L, dtype=torch.long, device=flat.device)
     index[seq, offset] = flat
-    sub = make_batch(positions.flatten()[index], lengths, None, None, None, None)
-    sub.causal = True
+    if prefix_ids is None:
+        sub = make_batch(positions.flatten()[index], lengths, None, None, None, None)
+        sub.causal = True
+    else:  # trees: the same-segment-or-prompt mask within each
+        sub = make_batch(positions.flatten()[index], lengths, segment_ids.flatten()[index], None, None, None,
+                         prefix_ids=prefix_ids.flatten()[index])
     return Segments(sub, index, flat, (seq, offset), (B, S))
 
 

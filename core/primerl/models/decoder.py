@@ -195,6 +195,7 @@ class DecoderLM(nn.Module):
         lengths: Tensor,
         *,
         segment_ids: Tensor | None = None,
+        prefix_ids: Tensor | None = None,
         cache: SlotCache | None = None,
         slots: Tensor | range | None = None,
         past_lens: Tensor | None = None,
@@ -207,6 +208,8 @@ class DecoderLM(nn.Module):
         lengths: [B] long, valid new tokens per row; tokens at i >= lengths[b] are padding.
         segment_ids: [B, S] long (no cache): packed rows; a token sees only earlier tokens
             of its own segment.
+        prefix_ids: [B, S] long (with segment_ids): prompt trees; a token also sees the earlier
+            tokens of segment ``prefix_ids`` (a prompt shared by several samples).
         cache, slots [B], past_lens [B]: row b's tokens are written to slot ``slots[b]`` at
             positions ``past_lens[b]...`` and attend to everything cached before them.
             ``slots`` may be a ``range`` of B consecutive slots: the cache is then read in
@@ -225,7 +228,7 @@ class DecoderLM(nn.Module):
 
         x = self.input_embeddings()(input_ids)  # [B, S, hidden]
         batch = make_batch(positions, lengths, segment_ids, cache, slots, past_lens,
-                           unpack_segments=self.unpack_segments)
+                           unpack_segments=self.unpack_segments, prefix_ids=prefix_ids)
         self.prepare(batch, x.dtype)
         seg = batch.segments
         if seg is not None:

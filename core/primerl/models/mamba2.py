@@ -158,6 +158,9 @@ class Mamba2Mixer(nn.Module):
     def forward(self, u: Tensor, batch: Batch) -> Tensor:
         """u: [B, S, hidden] -> [B, S, hidden]."""
         B, S, _ = u.shape
+        if batch.prefix_ids is not None:
+            raise ValueError("a Mamba layer cannot run prompt trees (prefix_ids): its state would have to "
+                             "branch where the samples leave the shared prompt; pack without share_prompts")
         u = u * batch.valid[..., None].to(u.dtype)  # padding enters as zeros (HF's padding mask)
         z, xbc, dt = self.in_proj(u).split([self.inner, self.conv_dim, self.heads], dim=-1)
         xbc = self._conv(xbc, batch) * batch.valid[..., None].to(u.dtype)

@@ -172,6 +172,23 @@ def main(cfg: RunConfig) -> None:
             dist.destroy_process_group()
 
 
+def share_prompts(cfg: RunConfig, model: torch.nn.Module) -> bool:
+    """Whether this trainer packs prompt trees (``trainer.share_prompts``): not with
+    recurrent layers (a Mamba state cannot branch) nor context parallelism (its ranks
+    build their masks from segments alone); either is logged once."""
+    if not cfg.trainer.share_prompts:
+        return False
+    if any(spec.get("state") for spec in model.cache_layout()):
+        log("trainer.share_prompts: this model has recurrent (Mamba) layers, whose state cannot branch "
+            "after a shared prompt; every sample is packed whole")
+        return False
+    if cfg.trainer.parallel.cp > 1:
+        log("trainer.share_prompts: not under context parallelism (trainer.parallel.cp > 1); every "
+            "sample is packed whole")
+        return False
+    return True
+
+
 def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
           parallelism: Parallelism, *, adapter: Any, tokenizer: Any, resume: tuple[int, Path] | None) -> None:
     """Resume or start (SFT, v0), then one RL step per batch until ``max_steps``."""
@@ -224,6 +241,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         log(f"published weights/{step_name(0)} (v0{' after SFT' if cfg.sft.steps else ''})")
 
     keep = cfg.orchestrator.max_off_policy_steps + 2
+    share = share_prompts(cfg, model)
     replay_warned = False
     last_end = None
     for n in range(start + 1, cfg.max_steps + 1):
@@ -231,7 +249,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         wait_for(run.batch(n))
         t_start = time.perf_counter()  # the batch is available: time/step starts here
         batch = read_batch(run.batch(n))
-        packed = pack(batch.samples, t.seq_len)
+        packed = pack(batch.samples, t.seq_len, share_prompts=share)
         if t.router_replay and packed.replay_experts is None and not replay_warned:
             log("trainer.router_replay is on but the batch's samples carry no routed_experts: not replaying")
             replay_warned = True
@@ -256,6 +274,8 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             "time/end": time.time(),
             "trainer/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
             "trainer/tokens": packed.num_tokens,
+            # positions the shared prompts saved (the samples' own positions minus those run)
+            "trainer/shared_tokens": sum(max(len(s.tokens) - 1, 0) for s in batch.samples) - packed.num_tokens,
             "trainer/loss_tokens": packed.num_loss_tokens,
             "trainer/rows": packed.num_rows,
         }

@@ -20,6 +20,19 @@ is never a target (it has no context); it is always a prompt token. Every token 
 Router replay: ``routed_experts[i]`` are the experts the engine used when it processed
 ``tokens[i]`` as an input, so position ``i`` replays row ``i``. The engine never feeds
 the last sampled token, so both ``L`` and ``L - 1`` rows are accepted.
+
+Shared prompts (``share_prompts``): the samples of a GRPO group start with the same
+prompt, and a trainer that runs it once per sample spends most of a step on it when
+completions are short (reverse-text: 20 prompt tokens, 5-24 completion tokens). Samples
+whose tokens agree up to their first loss token (and, with router replay, whose experts
+agree there) are laid out as one *prompt tree*: the prompt's first ``p - 1`` positions
+once, as a segment of their own, then each sample's remaining positions (from its last
+prompt token on, positions ``p - 1 ..``) as a segment that also sees the prompt's
+(``prefix_ids``). Every target keeps exactly one position, so logprobs, the loss and its
+gradients equal the unshared layout's (tests compare them); the prompt's positions get the
+sum of the gradients its samples send back, as they would through separate copies. A
+group too long for one row is split into several trees, each with its own copy of the
+prompt. Models with recurrent layers (Mamba) cannot branch a state and do not share.
 """
 
 from __future__ import annotations
@@ -37,7 +50,7 @@ from primerl.samples import Sample
 # is not a target of the loss, in its own segment.
 EMPTY_ROW_FILL = {"input_ids": 0, "positions": 0, "segment_ids": 0, "lengths": 1, "targets": 0, "loss_mask": False,
                   "inference_logprobs": 0.0, "advantages": 0.0, "temperatures": 1.0, "sample_index": -1,
-                  "replay_experts": 0}
+                  "replay_experts": 0, "prefix_ids": 0}
 
 
 @dataclass
@@ -55,6 +68,9 @@ class PackedBatch:
     temperatures: Tensor  # [R, W] float32, the sample's temperature on every position (1 on the tail)
     sample_index: Tensor  # [R, W] long, index of the sample in the input list; -1 on the tail
     replay_experts: Tensor | None = None  # [R, W, n_moe_layers, top_k] int16, if every sample has them
+    # [R, W] long: the segment whose tokens (a shared prompt) a position also sees, its own
+    # segment where there is none, -1 on the tail; None when no prompt is shared
+    prefix_ids: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -128,12 +144,53 @@ def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]
     return bins
 
 
-def pack(samples: Sequence[Sample], seq_len: int) -> PackedBatch:
+@dataclass
+class _Tree:
+    """A packing unit: one sample (``prompt`` 0), or the first ``prompt`` positions of
+    ``samples[0]`` followed by each sample's positions from ``prompt`` on."""
+
+    samples: list[int]  # indices into the kept samples
+    prompt: int  # shared positions (p - 1), 0 for a lone sample
+    size: int  # positions the unit takes in a row
+
+
+def _prompt_trees(toks: list[list[int]], masks: list[list[int]], sizes: list[int], routed: list[Any] | None,
+                  seq_len: int) -> list[_Tree]:
+    """Samples grouped by their prompt (tokens up to the first loss token, and the experts
+    inference routed them to when replaying), each group cut into trees that fit a row
+    (first-fit decreasing over its samples' own positions); everything else alone."""
+    groups: dict[tuple, list[int]] = {}
+    units: list[_Tree] = []
+    for j, (t, m) in enumerate(zip(toks, masks, strict=True)):
+        p = next((i for i, v in enumerate(m) if v), 0)  # first loss token
+        if p < 2:  # no loss token, or a one-token prompt: nothing worth sharing
+            units.append(_Tree([j], 0, sizes[j]))
+            continue
+        key = (tuple(t[:p]), None if routed is None else torch.as_tensor(routed[j])[: p - 1].numpy().tobytes())
+        groups.setdefault(key, []).append(j)
+    for key, members in groups.items():
+        shared = len(key[0]) - 1  # the prompt's positions: inputs tokens[:p - 1]
+        if len(members) == 1:
+            units.append(_Tree(members, 0, sizes[members[0]]))
+            continue
+        own = [sizes[j] - shared for j in members]  # >= 1: a loss token follows the prompt
+        for part in first_fit_decreasing(own, seq_len - shared):
+            picked = [members[i] for i in part]
+            if len(picked) == 1:
+                units.append(_Tree(picked, 0, sizes[picked[0]]))
+            else:
+                units.append(_Tree(picked, shared, shared + sum(own[i] for i in part)))
+    return units
+
+
+def pack(samples: Sequence[Sample], seq_len: int, *, share_prompts: bool = False) -> PackedBatch:
     """Pack samples (:class:`primerl.samples.Sample`) into rows.
 
     Read: ``tokens``, ``loss_mask``, ``logprobs`` (None: 0), ``advantage``,
     ``temperature`` and ``routed_experts`` (used only if every sample has them). Samples
-    of fewer than 2 tokens have nothing to predict and are skipped.
+    of fewer than 2 tokens have nothing to predict and are skipped. ``share_prompts``:
+    samples with the same prompt share its positions (prompt trees, see the module's
+    docstring).
     """
     toks, masks, lps, sizes, keep = [], [], [], [], []
     for idx, s in enumerate(samples):
@@ -159,12 +216,17 @@ def pack(samples: Sequence[Sample], seq_len: int) -> PackedBatch:
         sizes.append(len(t) - 1)
         keep.append(idx)
 
-    bins = first_fit_decreasing(sizes, seq_len)
+    routed = [samples[i].routed_experts for i in keep]
+    routed_all = routed if routed and all(r is not None for r in routed) else None
+    units = (_prompt_trees(toks, masks, sizes, routed_all, seq_len) if share_prompts
+             else [_Tree([j], 0, n) for j, n in enumerate(sizes)])
+    bins = first_fit_decreasing([u.size for u in units], seq_len)
     R = max(len(bins), 1)
-    W = max((sum(sizes[i] for i in b) for b in bins), default=1)
+    W = max((sum(units[i].size for i in b) for b in bins), default=1)
     input_ids = torch.zeros(R, W, dtype=torch.long)
     positions = torch.zeros(R, W, dtype=torch.long)
     segment_ids = torch.full((R, W), -1, dtype=torch.long)
+    prefix_ids = torch.full((R, W), -1, dtype=torch.long)
     lengths = torch.zeros(R, dtype=torch.long)
     targets = torch.zeros(R, W, dtype=torch.long)
     loss_mask = torch.zeros(R, W, dtype=torch.bool)
@@ -173,36 +235,48 @@ def pack(samples: Sequence[Sample], seq_len: int) -> PackedBatch:
     temperatures = torch.ones(R, W, dtype=torch.float32)
     sample_index = torch.full((R, W), -1, dtype=torch.long)
 
-    routed = [samples[i].routed_experts for i in keep]
     replay = None
-    if routed and all(r is not None for r in routed):
-        shape = tuple(torch.as_tensor(routed[0]).shape[1:])  # (n_moe_layers, top_k)
+    if routed_all is not None:
+        shape = tuple(torch.as_tensor(routed_all[0]).shape[1:])  # (n_moe_layers, top_k)
         replay = torch.zeros(R, W, *shape, dtype=torch.int16)
 
-    # One slice assignment per sample (no per-token Python work).
+    def place(r: int, off: int, j: int, start: int, end: int, seg: int, prefix: int) -> int:
+        """Positions ``start:end`` of kept sample ``j`` at row ``r`` from ``off``, in segment
+        ``seg`` that also sees segment ``prefix``: one slice assignment per field."""
+        n, t, src = end - start, torch.tensor(toks[j][start : end + 1], dtype=torch.long), samples[keep[j]]
+        sl = slice(off, off + n)
+        input_ids[r, sl] = t[:-1]
+        targets[r, sl] = t[1:]
+        positions[r, sl] = torch.arange(start, end)
+        segment_ids[r, sl] = seg
+        prefix_ids[r, sl] = prefix
+        loss_mask[r, sl] = torch.tensor(masks[j][start + 1 : end + 1], dtype=torch.bool)
+        inference_logprobs[r, sl] = torch.tensor(lps[j][start + 1 : end + 1], dtype=torch.float32)
+        advantages[r, sl] = float(src.advantage)
+        temperatures[r, sl] = float(src.temperature)
+        sample_index[r, sl] = keep[j]
+        if replay is not None:
+            re = torch.as_tensor(routed_all[j])
+            if re.shape[0] not in (sizes[j], sizes[j] + 1) or tuple(re.shape[1:]) != tuple(replay.shape[2:]):
+                raise ValueError(
+                    f"sample {keep[j]}: routed_experts has shape {tuple(re.shape)}, expected "
+                    f"[{sizes[j] + 1} or {sizes[j]}, {', '.join(map(str, replay.shape[2:]))}]"
+                )
+            replay[r, sl] = re[start:end].to(torch.int16)
+        return off + n
+
     for r, b in enumerate(bins):
-        off = 0
-        for seg, j in enumerate(b):
-            n, t, src = sizes[j], torch.tensor(toks[j], dtype=torch.long), samples[keep[j]]
-            sl = slice(off, off + n)
-            input_ids[r, sl] = t[:-1]
-            targets[r, sl] = t[1:]
-            positions[r, sl] = torch.arange(n)
-            segment_ids[r, sl] = seg
-            loss_mask[r, sl] = torch.tensor(masks[j][1:], dtype=torch.bool)
-            inference_logprobs[r, sl] = torch.tensor(lps[j][1:], dtype=torch.float32)
-            advantages[r, sl] = float(src.advantage)
-            temperatures[r, sl] = float(src.temperature)
-            sample_index[r, sl] = keep[j]
-            if replay is not None:
-                re = torch.as_tensor(routed[j])
-                if re.shape[0] not in (n, n + 1) or tuple(re.shape[1:]) != tuple(replay.shape[2:]):
-                    raise ValueError(
-                        f"sample {keep[j]}: routed_experts has shape {tuple(re.shape)}, expected "
-                        f"[{n + 1} or {n}, {', '.join(map(str, replay.shape[2:]))}]"
-                    )
-                replay[r, sl] = re[:n].to(torch.int16)
-            off += n
+        off, seg = 0, 0
+        for u in (units[i] for i in b):
+            if u.prompt:  # the prompt once (as its first sample's), then each sample's own positions
+                root = seg
+                off = place(r, off, u.samples[0], 0, u.prompt, root, root)
+                for j in u.samples:
+                    seg += 1
+                    off = place(r, off, j, u.prompt, sizes[j], seg, root)
+            else:
+                off = place(r, off, u.samples[0], 0, sizes[u.samples[0]], seg, seg)
+            seg += 1
         lengths[r] = off
 
     return PackedBatch(
@@ -217,4 +291,5 @@ def pack(samples: Sequence[Sample], seq_len: int) -> PackedBatch:
         temperatures=temperatures,
         sample_index=sample_index,
         replay_experts=replay,
+        prefix_ids=prefix_ids if any(u.prompt for u in units) else None,
     )

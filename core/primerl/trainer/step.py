@@ -47,6 +47,7 @@ def row_forward(model: torch.nn.Module, row: dict[str, torch.Tensor | None], rep
             row["positions"],
             row["lengths"],
             segment_ids=row["segment_ids"],
+            prefix_ids=row["prefix_ids"],
             replay_experts=row["replay_experts"] if replay else None,
             logits_for="all",
         )
