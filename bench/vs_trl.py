@@ -23,6 +23,9 @@ Also reported, to tell how close the trainer is to the machine:
   to weights published; medians). Active parameters are those a token's forward multiplies
   by: routed experts count top_k / E, the embedding table and the DSA indexer (no
   gradient) do not count.
+  Trained tokens are the samples' own positions (what TRL computes); with shared prompts
+  (``trainer.share_prompts``) the trainer computes fewer, ``computed_tokens_per_step``,
+  so this rate counts the work a whole-sample trainer would have done.
 * ``matmul_gflops``: one core's float32 matmul rate on the trainer's shapes
   ([8 x 128 tokens, hidden] @ [hidden, 128 or 256]), measured in this process
   between the rounds (median).
@@ -80,6 +83,7 @@ def primerl_run(out: Path, steps: int) -> dict:
         "rollouts_per_s": SAMPLES_PER_STEP * (len(stamps) - 1) / (stamps[-1] - stamps[0]),
         "train_s": statistics.median(r["time/train"] for r in trained),
         "tokens": statistics.median(SAMPLES_PER_STEP * (r["seq_len/mean"] - 1) for r in trained),
+        "computed": statistics.median(r["trainer/tokens"] for r in trained),
     }
     if len(cpu) == 2 and cpu[0]:
         result["cpu"] = {k: (cpu[1][k] - cpu[0][k]) / (len(stamps) - 1) for k in cpu[0] if k in cpu[1]}
@@ -253,6 +257,7 @@ def main() -> None:
         "trl_attn": best, "trl_threads_by_round": chosen,
         "trl_rollouts_per_s_by_attn": {a: round(statistics.median(v), 2) for a, v in theirs.items()},
         "trainer_s_per_step": round(train_s, 3), "trained_tokens_per_step": round(tokens),
+        "computed_tokens_per_step": round(statistics.median(o["computed"] for o in ours)),
         "active_params": active, "trainer_gflops": round(6 * active * tokens / train_s / 1e9, 1),
         "matmul_gflops": round(statistics.median(rates), 1),
     }
