@@ -234,7 +234,7 @@ class TrainerConfig:
     # samples with the same prompt (a GRPO group) run it once: the prompt's positions are
     # packed once per row with each sample's own positions branching off it (a prompt tree),
     # the same logprobs and gradients for fewer positions. Off for models with recurrent
-    # (Mamba) layers and under context parallelism, which then pack every sample whole
+    # (Mamba) layers, which pack every sample whole
     share_prompts: bool = True
     # the loss plugin (register_losses) or a "module:function": "default" is prime-rl's
     # importance-ratio loss with probability-difference masking

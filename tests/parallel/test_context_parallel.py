@@ -37,42 +37,62 @@ from primerl.tokenizer import VOCAB_SIZE
 # GLM-5's DSA (index_topk 32) selects keys in the 40- and 36-token sequences; the
 # 40-token sequence spans several zigzag chunks.
 ROWS = [[4, 40, 14, 20], [5, 36]]
+# prompt trees (trainer.share_prompts): (prompt positions, [branch lengths]) shares its
+# prompt, an int is a whole sequence; the 30-token prompt and its branches cross chunks,
+# and DSA selects keys in its 12-token branch (42 keys); many short sequences make one
+# tree per row the cheaper layout
+TREE_ROWS = [[(30, [12, 4]), 8, 12, (6, [9, 3]), 20], [5, (8, [7, 6]), 30, 10], [3, 4, 5, 6, 7, 8, 9, 10]]
 LOGITS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 
 
-def packed_rows(rows: list[list[int]], seed: int = 0) -> dict:
+def _size(item) -> int:
+    return item if isinstance(item, int) else item[0] + sum(item[1])
+
+
+def packed_rows(rows: list[list], seed: int = 0) -> dict:
     """A PackedBatch.rows()-style dict of random packed rows: segment -1 and loss mask 0 on
-    the padding, random targets, loss mask and per-token loss weights ("advantages")."""
+    the padding, random targets, loss mask and per-token loss weights ("advantages"). An
+    item ``(p, [n1, n2, ...])`` is a prompt tree: p prompt positions (no loss) in one
+    segment, then branches of n1, n2... positions from position p on, each its own segment
+    seeing the prompt's (``prefix_ids``, present only when a row holds a tree)."""
     g = torch.Generator().manual_seed(seed)
-    B, S = len(rows), max(sum(r) for r in rows)
+    B, S = len(rows), max(sum(_size(i) for i in r) for r in rows)
     row = {
         "input_ids": torch.zeros(B, S, dtype=torch.long),
         "positions": torch.zeros(B, S, dtype=torch.long),
         "segment_ids": torch.full((B, S), -1, dtype=torch.long),
-        "lengths": torch.tensor([sum(r) for r in rows]),
+        "prefix_ids": torch.full((B, S), -1, dtype=torch.long),
+        "lengths": torch.tensor([sum(_size(i) for i in r) for r in rows]),
         "targets": torch.zeros(B, S, dtype=torch.long),
         "loss_mask": torch.zeros(B, S, dtype=torch.bool),
         "advantages": torch.zeros(B, S),
     }
-    for b, lens in enumerate(rows):
-        off = 0
-        for seg, n in enumerate(lens):
-            sl = slice(off, off + n)
-            row["input_ids"][b, sl] = torch.randint(0, VOCAB_SIZE, (n,), generator=g)
-            row["targets"][b, sl] = torch.randint(0, VOCAB_SIZE, (n,), generator=g)
-            row["positions"][b, sl] = torch.arange(n)
-            row["segment_ids"][b, sl] = seg
-            row["loss_mask"][b, sl] = torch.rand(n, generator=g) < 0.7
-            row["advantages"][b, sl] = torch.randn(n, generator=g)
-            off += n
+    for b, items in enumerate(rows):
+        off, seg = 0, 0
+        for item in items:
+            prompt, branches = (0, [item]) if isinstance(item, int) else item
+            spans = ([(prompt, 0, False)] if prompt else []) + [(n, prompt, True) for n in branches]
+            root = seg
+            for n, start, learn in spans:
+                sl = slice(off, off + n)
+                row["input_ids"][b, sl] = torch.randint(0, VOCAB_SIZE, (n,), generator=g)
+                row["targets"][b, sl] = torch.randint(0, VOCAB_SIZE, (n,), generator=g)
+                row["positions"][b, sl] = torch.arange(start, start + n)
+                row["segment_ids"][b, sl] = seg
+                row["prefix_ids"][b, sl] = root if prompt else seg
+                row["loss_mask"][b, sl] = (torch.rand(n, generator=g) < 0.7) & learn
+                row["advantages"][b, sl] = torch.randn(n, generator=g)
+                off, seg = off + n, seg + 1
+    if not any(isinstance(i, tuple) for r in rows for i in r):
+        del row["prefix_ids"]
     return row
 
 
 def weighted_logprob_loss(model, row: dict, normalizer: float):
     """(loss, output, target logprobs): sum of advantage * logprob over loss tokens / normalizer."""
     out = model(row["input_ids"], row["positions"], row["lengths"], segment_ids=row["segment_ids"],
-                replay_experts=row.get("replay_experts"), logits_for="all")
+                prefix_ids=row.get("prefix_ids"), replay_experts=row.get("replay_experts"), logits_for="all")
     lp = token_logprobs(out.logits, row["targets"], 1.0)  # [B, S]
     loss = (lp * row["advantages"] * row["loss_mask"]).sum() / normalizer
     return loss, out, lp
@@ -103,7 +123,8 @@ def compare_with_one_process(names: list[str], rows: list[list[int]]) -> dict:
         row = packed_rows(rows)
         S = row["input_ids"].shape[1]
         with torch.no_grad():  # replay the experts of one process (router replay through CP)
-            first = model(row["input_ids"], row["positions"], row["lengths"], segment_ids=row["segment_ids"])
+            first = model(row["input_ids"], row["positions"], row["lengths"], segment_ids=row["segment_ids"],
+                          prefix_ids=row.get("prefix_ids"))
         if first.routed_experts.shape[2]:
             row["replay_experts"] = first.routed_experts
         normalizer = float(row["loss_mask"].sum())
@@ -191,6 +212,16 @@ def check_matches_one_process(result: dict) -> None:
 @pytest.mark.parametrize("arch", ["qwen3-moe", "kimi", "glm5"], ids=["gqa", "mla", "mla-dsa"])
 def test_two_ranks_match_one_process(two_ranks, arch):
     check_matches_one_process(two_ranks[arch])
+
+
+@pytest.fixture(scope="module")
+def two_ranks_trees():
+    return run_on_ranks(2, compare_with_one_process, ["qwen3-moe", "kimi", "glm5"], TREE_ROWS)[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "kimi", "glm5"], ids=["gqa", "mla", "mla-dsa"])
+def test_prompt_trees_on_two_ranks_match_one_process(two_ranks_trees, arch):
+    check_matches_one_process(two_ranks_trees[arch])
 
 
 def test_mamba2_is_refused_when_applied(two_ranks):

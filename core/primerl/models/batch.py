@@ -212,14 +212,16 @@ class Batch:
 class RowShard(Protocol):
     """This process holds a slice of every row (context parallelism): the batch of the slice.
 
-    ``make_batch(positions, lengths, segment_ids)`` gets this rank's tokens ([B, S] each,
-    ``lengths`` [B] counting the whole rows' valid tokens) and returns a :class:`Batch`
+    ``make_batch(positions, lengths, segment_ids, prefix_ids)`` gets this rank's tokens
+    ([B, S] each, ``prefix_ids`` None unless the rows hold prompt trees; ``lengths`` [B]
+    counting the whole rows' valid tokens) and returns a :class:`Batch`
     with ``valid`` [B, S] for this rank's tokens, ``gather_keys`` set and ``visible``
     [B, S, T] over the whole rows' T keys, or with ``segments`` whose batch does the same
     one sequence per row.
     """
 
-    def make_batch(self, positions: Tensor, lengths: Tensor, segment_ids: Tensor | None) -> Batch: ...
+    def make_batch(self, positions: Tensor, lengths: Tensor, segment_ids: Tensor | None,
+                   prefix_ids: Tensor | None = None) -> Batch: ...
 
 
 _row_shard: ContextVar[RowShard | None] = ContextVar("primerl_row_shard", default=None)
@@ -249,13 +251,12 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
     Inside :func:`sharded_rows` the :class:`RowShard` builds the batch instead.
     """
     shard = _row_shard.get()
-    if prefix_ids is not None and (segment_ids is None or cache is not None or shard is not None):
-        raise ValueError("prefix_ids (shared prompts) need packed rows (segment_ids), no cache and no "
-                         "context parallelism")
+    if prefix_ids is not None and (segment_ids is None or cache is not None):
+        raise ValueError("prefix_ids (shared prompts) need packed rows (segment_ids) and no cache")
     if shard is not None:
         if cache is not None:
             raise ValueError("a forward over sharded rows (context parallel) cannot use a cache")
-        return shard.make_batch(positions, lengths, segment_ids)
+        return shard.make_batch(positions, lengths, segment_ids, prefix_ids)
     B, S = positions.shape
     device = positions.device
     i = torch.arange(S, device=device)

@@ -174,17 +174,12 @@ def main(cfg: RunConfig) -> None:
 
 def share_prompts(cfg: RunConfig, model: torch.nn.Module) -> bool:
     """Whether this trainer packs prompt trees (``trainer.share_prompts``): not with
-    recurrent layers (a Mamba state cannot branch) nor context parallelism (its ranks
-    build their masks from segments alone); either is logged once."""
+    recurrent layers, whose state cannot branch after a shared prompt (logged once)."""
     if not cfg.trainer.share_prompts:
         return False
     if any(spec.get("state") for spec in model.cache_layout()):
         log("trainer.share_prompts: this model has recurrent (Mamba) layers, whose state cannot branch "
             "after a shared prompt; every sample is packed whole")
-        return False
-    if cfg.trainer.parallel.cp > 1:
-        log("trainer.share_prompts: not under context parallelism (trainer.parallel.cp > 1); every "
-            "sample is packed whole")
         return False
     return True
 

@@ -54,14 +54,14 @@ What the trainer does per forward (rows of :meth:`PackedBatch.rows`, the same on
 rank of a CP group, in the same order):
 
 1. ``local = split_row_for_cp(row, cp_rank, cp_size)``: every per-token tensor
-   (input_ids, positions, segment_ids, targets, loss_mask, inference_logprobs,
+   (input_ids, positions, segment_ids, prefix_ids, targets, loss_mask, inference_logprobs,
    advantages, temperatures, replay_experts, ...) is padded and split the same way;
    ``lengths`` stays the whole rows' lengths (the model reads validity off the global
    token indices); ``local["valid"]`` [k, S_local] marks this rank's real tokens and
    ``local["token_index"]`` [S_local] their global indices.
 2. ``model(local["input_ids"], local["positions"], local["lengths"],
-   segment_ids=local["segment_ids"], replay_experts=..., logits_for="all")`` on every
-   rank (no cache; ``logits_for="last"`` is refused).
+   segment_ids=local["segment_ids"], prefix_ids=local["prefix_ids"], replay_experts=...,
+   logits_for="all")`` on every rank (no cache; ``logits_for="last"`` is refused).
 3. Logprobs of ``local["targets"]``, filtered by ``local["valid"]``; the loss with
    ``normalizer`` = the loss tokens of the *whole* step (over every rank of the CP group,
    and of the data-parallel groups if the loss is to be one mean over all of them), so
@@ -139,7 +139,7 @@ def split_for_cp(tensor: Tensor, cp_rank: int, cp_size: int, *, pad_value: Any =
 
 
 # what pads each field of a PackedBatch row (0 / False for the others)
-ROW_PAD_VALUES = {"segment_ids": -1, "sample_index": -1, "temperatures": 1.0}
+ROW_PAD_VALUES = {"segment_ids": -1, "prefix_ids": -1, "sample_index": -1, "temperatures": 1.0}
 
 
 def split_row_for_cp(row: dict[str, Tensor | None], cp_rank: int, cp_size: int) -> dict[str, Tensor | None]:
@@ -251,8 +251,10 @@ class ContextParallelShard(RowShard):
         """This rank's keys [B, S_local, *D] -> the whole rows' [B, S_row, *D], global order."""
         return gather_from_cp(new, self.group)
 
-    def make_batch(self, positions: Tensor, lengths: Tensor, segment_ids: Tensor | None) -> Batch:
-        """positions, segment_ids: [B, S_local] (split by :func:`split_for_cp`); lengths: [B]
+    def make_batch(self, positions: Tensor, lengths: Tensor, segment_ids: Tensor | None,
+                   prefix_ids: Tensor | None = None) -> Batch:
+        """positions, segment_ids, prefix_ids: [B, S_local] (split by :func:`split_for_cp`;
+        ``prefix_ids`` for prompt trees, see ``primerl.trainer.packing``); lengths: [B]
         valid tokens of the whole rows."""
         B, S_local = positions.shape
         S_row = S_local * self.size
@@ -270,31 +272,42 @@ class ContextParallelShard(RowShard):
             with torch.no_grad():
                 row_segments = gather_from_cp(segment_ids, self.group)  # [B, S_row]
             if self.unpack_segments:
-                segments = self._segments(positions, lengths, valid, segment_ids, row_segments, token_index)
+                segments = self._segments(positions, lengths, valid, segment_ids, row_segments, token_index,
+                                          prefix_ids)
                 if segments is not None:
                     return Batch(positions, lengths, valid, None, segment_ids,  # type: ignore[arg-type]
-                                 segments=segments, gather_keys=self.gather_keys)
+                                 segments=segments, gather_keys=self.gather_keys, prefix_ids=prefix_ids)
         visible = key_index[None, None, :] <= token_index[None, :, None]  # [1, S_local, S_row] causal
         if row_segments is not None:
-            visible = visible & (segment_ids[:, :, None] == row_segments[:, None, :])  # [B, S_local, S_row]
+            same = segment_ids[:, :, None] == row_segments[:, None, :]  # [B, S_local, S_row]
+            if prefix_ids is not None:  # and the keys of the prompt the query's segment continues
+                same = same | (prefix_ids[:, :, None] == row_segments[:, None, :])
+            visible = visible & same
         # padding queries look at key 0 only: finite outputs, no all-masked softmax rows
         visible = torch.where(valid[:, :, None], visible, key_index[None, None, :] == 0)  # [B, S_local, S_row]
-        return Batch(positions, lengths, valid, visible, segment_ids, gather_keys=self.gather_keys)
+        return Batch(positions, lengths, valid, visible, segment_ids, gather_keys=self.gather_keys,
+                     prefix_ids=prefix_ids)
 
     def _segments(self, positions: Tensor, lengths: Tensor, valid: Tensor, segment_ids: Tensor,
-                  row_segments: Tensor, token_index: Tensor) -> Segments | None:
+                  row_segments: Tensor, token_index: Tensor, prefix_ids: Tensor | None = None) -> Segments | None:
         """This rank's queries one sequence per row, each facing its whole sequence's keys
         (what :class:`~primerl.models.batch.Segments` does in one process): attention costs
-        sum(local queries x sequence length) instead of S_local x S_row. None when that is
-        not cheaper, or the segment ids are not runs of increasing ids (the masked rows then)."""
+        sum(local queries x sequence length) instead of S_local x S_row. With prompt trees
+        (``prefix_ids``) a sequence is a whole tree, masked within. None when that is not
+        cheaper, or the ids are not runs of increasing ids (the masked rows then)."""
         B, S_local = valid.shape
         S_row = row_segments.shape[1]
         device = valid.device
         flat = valid.flatten().nonzero().squeeze(1)  # [N] this rank's valid tokens, row-major
         if flat.numel() == 0:
             return None
-        # queries: runs of one segment in a local row (chunk r then chunk 2cp-1-r: global order)
-        q_row, q_sid = flat // S_local, segment_ids.flatten()[flat]
+        units, row_units = segment_ids, row_segments  # what makes a sequence: a segment, or a tree
+        if prefix_ids is not None:
+            units = prefix_ids
+            with torch.no_grad():
+                row_units = gather_from_cp(prefix_ids, self.group)  # [B, S_row]
+        # queries: runs of one unit in a local row (chunk r then chunk 2cp-1-r: global order)
+        q_row, q_sid = flat // S_local, units.flatten()[flat]
         first = torch.ones_like(q_sid, dtype=torch.bool)
         first[1:] = (q_sid[1:] != q_sid[:-1]) | (q_row[1:] != q_row[:-1])
         seq = first.cumsum(0) - 1  # [N] sequence of each query
@@ -304,7 +317,7 @@ class ContextParallelShard(RowShard):
         # keys: runs of one segment in the whole rows' valid tokens
         k_valid = torch.arange(S_row, device=device)[None, :] < lengths[:, None]  # [B, S_row]
         k_flat = k_valid.flatten().nonzero().squeeze(1)  # [M] the rows' valid tokens, row-major
-        k_row, k_sid = k_flat // S_row, row_segments.flatten()[k_flat]
+        k_row, k_sid = k_flat // S_row, row_units.flatten()[k_flat]
         k_first = torch.ones_like(k_sid, dtype=torch.bool)
         k_first[1:] = (k_sid[1:] != k_sid[:-1]) | (k_row[1:] != k_row[:-1])
         k_seq = k_first.cumsum(0) - 1  # [M] key sequence of each valid key
@@ -328,6 +341,10 @@ class ContextParallelShard(RowShard):
         q_global = token_index[q_index % S_local]  # [n, Lq]
         q_has = torch.arange(Lq, device=device)[None, :] < q_lengths[:, None]  # [n, Lq]
         visible = k_has[:, None, :] & (k_index % S_row)[:, None, :].le(q_global[:, :, None])  # [n, Lq, Lk]
+        if prefix_ids is not None:  # within a tree: the query's own segment and the prompt it continues
+            k_seg = row_segments.flatten()[k_index][:, None, :]  # [n, 1, Lk]
+            q_seg, q_pre = segment_ids.flatten()[q_index][:, :, None], prefix_ids.flatten()[q_index][:, :, None]
+            visible = visible & ((k_seg == q_seg) | (k_seg == q_pre))
         visible = torch.where(q_has[:, :, None], visible, k_slot[None, None, :] == 0)  # padding queries: key 0
 
         def gather_sequence_keys(new: Tensor) -> Tensor:
