@@ -13,7 +13,7 @@ from primerl.samples import Sample
 from primerl.trainer.loss import get_loss
 from primerl.trainer.main import load_parallelism, share_prompts
 from primerl.trainer.packing import pack
-from primerl.trainer.step import row_forward, rl_step
+from primerl.trainer.step import rl_step, row_forward
 
 
 def _groups(n_groups, group_size, seed=0, prompt=(6, 30), completion=(1, 40), vocab=263, experts=None):
