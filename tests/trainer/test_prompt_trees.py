@@ -86,7 +86,7 @@ def test_replayed_prompts_routed_differently_are_not_merged():
     samples = _groups(1, 4, seed=3, experts=(3, 2, 8))
     samples[0].routed_experts = samples[0].routed_experts.clone()
     samples[0].routed_experts[0] = (samples[0].routed_experts[0] + 1) % 8  # inference routed its prompt otherwise
-    p = pack(samples, 256, share_prompts=True)
+    p = pack(samples, 512, share_prompts=True)
     alone = p.sample_index == samples.index(samples[0])
     assert (p.prefix_ids[alone] == p.segment_ids[alone]).all()  # packed whole
     assert (p.prefix_ids != p.segment_ids).any()  # the other three share
@@ -105,16 +105,27 @@ def model(request):
     return m
 
 
-@pytest.mark.parametrize("unpack", [True, False], ids=["tree-per-row", "masked-rows"])
-def test_tree_logprobs_equal_whole_samples(model, unpack):
-    """Both attention layouts (one tree per row, and the packed rows' mask); prompts and
-    completions long enough that GLM-5's DSA indexer selects keys (top-k 32)."""
+@pytest.mark.parametrize("layout", ["segment-per-row", "tree-per-row", "masked-rows"])
+def test_tree_logprobs_equal_whole_samples(model, layout, monkeypatch):
+    """Every attention layout of prompt trees: each segment a row facing its prompt's keys
+    (what these rows choose), one tree per row masked within, and the packed rows' mask;
+    prompts and completions long enough that GLM-5's DSA indexer selects keys (top-k 32)."""
+    from primerl.models import batch as batch_module
+
     samples = _groups(3, 5, seed=4, prompt=(20, 40), completion=(10, 50))
-    model.unpack_segments = unpack
+    if layout == "tree-per-row":
+        monkeypatch.setattr(batch_module, "_tree_segments", lambda *args: None)
+    p = pack(samples, 512, share_prompts=True)
+    chosen = batch_module.make_batch(p.positions, p.lengths, p.segment_ids, None, None, None,
+                                     unpack_segments=layout != "masked-rows", prefix_ids=p.prefix_ids)
+    assert (chosen.segments is None) == (layout == "masked-rows")
+    if chosen.segments is not None:
+        assert (chosen.segments.batch.gather_keys is not None) == (layout == "segment-per-row")
+    model.unpack_segments = layout != "masked-rows"
     try:
         out = {}
         for share in (False, True):
-            p = pack(samples, 256, share_prompts=share)
+            p = pack(samples, 512, share_prompts=share)
             lps = {}
             with torch.no_grad():
                 for r in range(p.num_rows):
@@ -132,15 +143,24 @@ def test_tree_logprobs_equal_whole_samples(model, unpack):
                                atol=2e-5, rtol=0)
 
 
-def test_tree_step_has_the_same_loss_and_gradients(model):
+@pytest.mark.parametrize("layout", ["segment-per-row", "tree-per-row"])
+def test_tree_step_has_the_same_loss_and_gradients(model, layout, monkeypatch):
+    from primerl.models import batch as batch_module
+
     samples = _groups(4, 8, seed=6, prompt=(10, 30), completion=(3, 30))
+    if layout == "tree-per-row":
+        monkeypatch.setattr(batch_module, "_tree_segments", lambda *args: None)
+    p = pack(samples, 256, share_prompts=True)
+    chosen = batch_module.make_batch(p.positions, p.lengths, p.segment_ids, None, None, None, unpack_segments=True,
+                                     prefix_ids=p.prefix_ids).segments
+    assert chosen is not None and (chosen.batch.gather_keys is not None) == (layout == "segment-per-row")
     cfg = RunConfig()
     cfg.trainer.micro_batch_rows = 4
     grads, stats = {}, {}
     for share in (False, True):
         m = copy.deepcopy(model)
         m.train()
-        packed = pack(samples, 128, share_prompts=share)
+        packed = pack(samples, 256, share_prompts=share)
         stats[share] = rl_step(m, torch.optim.SGD(m.parameters(), lr=0.0), packed, get_loss("default"), cfg,
                                load_parallelism("single"))
         grads[share] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}

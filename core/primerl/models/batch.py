@@ -339,21 +339,34 @@ class Segments:
 
 def _segments(positions: Tensor, valid: Tensor, segment_ids: Tensor, prefix_ids: Tensor | None = None) -> Segments | None:
     """The one-sequence-per-row layout of packed rows (a sequence is a run of equal
-    ``segment_ids`` in a row; with ``prefix_ids``, a run of equal ``prefix_ids``: a whole
-    prompt tree, masked within), or None when it would not be cheaper than the packed rows."""
+    ``segment_ids`` in a row), or None when it would not be cheaper than the packed rows.
+    With prompt trees (``prefix_ids``) see :func:`_tree_segments`."""
     B, S = valid.shape
     flat = valid.flatten().nonzero().squeeze(1)  # [N], row-major
     if flat.numel() == 0:
         return None
-    sid, row = (segment_ids if prefix_ids is None else prefix_ids).flatten()[flat], flat // S
-    first = torch.ones_like(sid, dtype=torch.bool)
-    first[1:] = (sid[1:] != sid[:-1]) | (row[1:] != row[:-1])
-    seq = first.cumsum(0) - 1  # [N] sequence of each token
-    starts = first.nonzero().squeeze(1)  # [n]
-    offset = torch.arange(flat.numel(), device=flat.device) - starts[seq]
-    lengths = torch.bincount(seq, minlength=starts.numel())  # [n]
+    seq, offset, starts, lengths = _runs(segment_ids.flatten()[flat], flat // S)
+    if prefix_ids is None:
+        return _sequence_rows(positions, (B, S), flat, seq, offset, starts, lengths, B * S * S)
+    # prompt trees: one tree per row (masked within) or one segment per row (facing its
+    # prompt's keys), whichever scores fewer query-key pairs, padding included
+    tree_runs = _runs(prefix_ids.flatten()[flat], flat // S)
+    n_trees, tree_len = tree_runs[2].numel(), int(tree_runs[3].max())
+    per_tree = n_trees * tree_len * tree_len
+    split = _tree_segments(positions, valid, segment_ids, prefix_ids, flat, seq, offset, starts, lengths,
+                           min(per_tree, B * S * S))
+    if split is not None:
+        return split
+    return _sequence_rows(positions, (B, S), flat, *tree_runs, B * S * S, segment_ids, prefix_ids)
+
+
+def _sequence_rows(positions: Tensor, shape: tuple[int, int], flat: Tensor, seq: Tensor, offset: Tensor,
+                   starts: Tensor, lengths: Tensor, budget: int, segment_ids: Tensor | None = None,
+                   prefix_ids: Tensor | None = None) -> Segments | None:
+    """Each run (a sequence, or a whole prompt tree when ``prefix_ids`` is given, then
+    masked within) one per row; None unless it scores fewer query-key pairs than ``budget``."""
     n, L = starts.numel(), int(lengths.max())
-    if n * L * L >= B * S * S:
+    if n * L * L >= budget:
         return None
     index = torch.zeros(n, L, dtype=torch.long, device=flat.device)
     index[seq, offset] = flat
@@ -363,7 +376,66 @@ def _segments(positions: Tensor, valid: Tensor, segment_ids: Tensor, prefix_ids:
     else:  # trees: the same-segment-or-prompt mask within each
         sub = make_batch(positions.flatten()[index], lengths, segment_ids.flatten()[index], None, None, None,
                          prefix_ids=prefix_ids.flatten()[index])
-    return Segments(sub, index, flat, (seq, offset), (B, S))
+    return Segments(sub, index, flat, (seq, offset), shape)
+
+
+def _runs(ids: Tensor, row: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Runs of equal ``ids`` within a row, over N tokens in row-major order: each token's
+    run and offset in it ([N] each), each run's first token and length ([n] each)."""
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[1:] = (ids[1:] != ids[:-1]) | (row[1:] != row[:-1])
+    seq = first.cumsum(0) - 1  # [N] run of each token
+    starts = first.nonzero().squeeze(1)  # [n]
+    offset = torch.arange(ids.numel(), device=ids.device) - starts[seq]
+    return seq, offset, starts, torch.bincount(seq, minlength=starts.numel())
+
+
+def _tree_segments(positions: Tensor, valid: Tensor, segment_ids: Tensor, prefix_ids: Tensor, flat: Tensor,
+                   seq: Tensor, offset: Tensor, starts: Tensor, lengths: Tensor, budget: int) -> Segments | None:
+    """Prompt trees one segment per query row: a shared prompt and each sample's own part
+    are rows of their own, and a sample's row faces its prompt's keys followed by its own
+    (``Batch.gather_keys``: the keys go back to the packed rows and are gathered from
+    there). Attention then costs, per tree, prompt^2 + sum(own x (prompt + own)), not
+    (prompt + sum(own))^2 as one masked row per tree would. None unless it scores fewer
+    query-key pairs than ``budget``, or when the ids are not runs of increasing ids."""
+    B, S = valid.shape
+    device = flat.device
+    row = flat // S
+    sid, pre = segment_ids.flatten()[flat], prefix_ids.flatten()[flat]
+    # each run's segment, as a (row, segment) identity, increasing along the row-major runs
+    span = int(sid.max()) + 1
+    ident = row[starts] * span + sid[starts]  # [n]
+    if bool(sid.min() < 0) or (ident.numel() > 1 and bool((ident.diff() <= 0).any())):
+        return None
+    # the prompt run a run continues (itself when it continues none): found by its identity
+    prompt_run = torch.searchsorted(ident, row[starts] * span + pre[starts])  # [n]
+    if bool((prompt_run >= ident.numel()).any()) or not torch.equal(ident[prompt_run], row[starts] * span + pre[starts]):
+        return None
+    shares = prompt_run != torch.arange(ident.numel(), device=device)  # [n] a sample's part of a tree
+    p_start = flat[starts[prompt_run]]  # [n] flat position of the prompt's first token
+    p_len = torch.where(shares, lengths[prompt_run], 0)  # [n]
+    k_lengths = p_len + lengths  # [n]
+    n, Lq, Lk = starts.numel(), int(lengths.max()), int(k_lengths.max())
+    if n * Lq * Lk >= budget:
+        return None
+    index = torch.zeros(n, Lq, dtype=torch.long, device=device)
+    index[seq, offset] = flat  # [n, Lq] flat position of each query; padding -> 0
+    k_slot = torch.arange(Lk, device=device)
+    own = flat[starts][:, None] + (k_slot[None, :] - p_len[:, None])  # [n, Lk]
+    k_index = torch.where(k_slot[None, :] < p_len[:, None], p_start[:, None] + k_slot[None, :], own)
+    k_has = k_slot[None, :] < k_lengths[:, None]  # [n, Lk]
+    k_index = torch.where(k_has, k_index, 0)  # [n, Lk] flat positions of each row's keys
+    q_has = torch.arange(Lq, device=device)[None, :] < lengths[:, None]  # [n, Lq]
+    visible = k_has[:, None, :] & k_index[:, None, :].le(index[:, :, None])  # [n, Lq, Lk]: causal in the packed row
+    visible = torch.where(q_has[:, :, None], visible, k_slot[None, None, :] == 0)  # padding queries: key 0
+
+    def tree_keys(new: Tensor) -> Tensor:
+        """[n, Lq, *D] keys of each query row -> [n, Lk, *D]: the prompt's, then its own."""
+        return segments.scatter(new).flatten(0, 1)[k_index]
+
+    sub = Batch(positions.flatten()[index], lengths, q_has, visible, gather_keys=tree_keys)
+    segments = Segments(sub, index, flat, (seq, offset), (B, S))
+    return segments
 
 
 def mix(mixer: nn.Module, h: Tensor, batch: Batch, carry: Any) -> tuple[Tensor, Any]:

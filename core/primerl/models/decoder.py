@@ -238,7 +238,8 @@ class DecoderLM(nn.Module):
                 # One sequence per row for the whole forward, not only for the sequence
                 # mixers: no more positions for the token-wise layers than the packed rows
                 # (often fewer), and one gather and one scatter instead of two per layer.
-                # (Not under context parallelism, whose rows are gathered by the mixers.)
+                # (Not when the mixers gather keys from other rows: context parallelism,
+                # prompt trees laid out one segment per row.)
                 x = seg.gather(x)  # [n, L, hidden]
                 if replay_experts is not None:
                     replay_experts = seg.gather(replay_experts)  # [n, L, n_moe_layers, top_k]
