@@ -197,6 +197,9 @@ def test_weight_update_in_flight_keeps_requests_and_stamps_each_token_with_its_v
 
     a, b = checkpoints
     before = greedy(server, PROMPTS)
+    bad = httpx.post(server + "/admin/weights", json={"path": str(b / "missing"), "version": 1}, timeout=60)
+    assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
+    assert httpx.get(server + "/health").json()["policy_version"] == 0  # nothing changed
     results: list[dict] = []
 
     def long_request(i: int) -> None:
@@ -205,23 +208,22 @@ def test_weight_update_in_flight_keeps_requests_and_stamps_each_token_with_its_v
             "temperature": 1.0, "seed": i, "logprobs": 0}, timeout=300)
         results.append({"status": r.status_code, "body": r.json()})
 
-    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(6)]
+    # 16 requests of 480 tokens keep vLLM's CPU build decoding for several seconds, so the
+    # update (sent as soon as half of them run) lands while they are in flight
+    threads = [threading.Thread(target=long_request, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    # half of them decoding is enough (waiting for all six raced with the first to finish)
-    while httpx.get(server + "/admin/status").json()["running"] < 3:
+    # half of them decoding is enough (waiting for all of them raced with the first to finish)
+    while httpx.get(server + "/admin/status").json()["running"] < 8:
         assert time.monotonic() < deadline, f"the requests never ran: {[r['status'] for r in results]}"
         time.sleep(0.05)
-    bad = httpx.post(server + "/admin/weights", json={"path": str(b / "missing"), "version": 1}, timeout=60)
-    assert bad.status_code == 400 and "does not exist" in bad.json()["error"]["message"]
-    assert httpx.get(server + "/health").json()["policy_version"] == 0  # nothing changed
     up = httpx.post(server + "/admin/weights", json={"path": str(b), "version": 1}, timeout=300)
     assert up.status_code == 200, up.text
     assert up.json()["policy_version"] == 1
     for t in threads:
         t.join(timeout=300)
-    assert [r["status"] for r in results] == [200] * 6
+    assert [r["status"] for r in results] == [200] * 16
     straddled = 0
     for r in results:
         versions = r["body"]["choices"][0]["policy_versions"]
