@@ -408,8 +408,9 @@ def _tree_segments(positions: Tensor, valid: Tensor, segment_ids: Tensor, prefix
     if bool(sid.min() < 0) or (ident.numel() > 1 and bool((ident.diff() <= 0).any())):
         return None
     # the prompt run a run continues (itself when it continues none): found by its identity
-    prompt_run = torch.searchsorted(ident, row[starts] * span + pre[starts])  # [n]
-    if bool((prompt_run >= ident.numel()).any()) or not torch.equal(ident[prompt_run], row[starts] * span + pre[starts]):
+    prompt_ident = row[starts] * span + pre[starts]  # [n]
+    prompt_run = torch.searchsorted(ident, prompt_ident).clamp_(max=ident.numel() - 1)  # [n]
+    if not torch.equal(ident[prompt_run], prompt_ident):  # a prompt that is not a run of this row
         return None
     shares = prompt_run != torch.arange(ident.numel(), device=device)  # [n] a sample's part of a tree
     p_start = flat[starts[prompt_run]]  # [n] flat position of the prompt's first token
