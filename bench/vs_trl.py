@@ -32,8 +32,17 @@ Also reported, to tell how close the trainer is to the machine:
 * ``cpu_s_per_step``: CPU seconds per step of each primerl process (when psutil is
   installed; TRL and accelerate bring it).
 
+* ``off_policy_mean``: how many policy versions the trained samples lag, on average
+  (``off_policy/mean`` in metrics.jsonl): about ``async_level``.
+
+primerl runs at ``orchestrator.async_level`` 1 by default (prime-rl's fixed depth);
+``--primerl-args`` adds ``primerl run`` options, e.g. a deeper pipeline whose engine
+decodes two steps' samples at once (its cost per rollout falls with the batch: per-op
+overhead is most of a decode step at 64 rows on a CPU):
+
     pip install -r requirements-bench.txt   # trl
     python bench/vs_trl.py                   # final line: {"ratio": primerl / trl, ...}
+    python bench/vs_trl.py --primerl-args "--orchestrator.async_level 2 --inference.max_batch_size 128 --inference.kv_slots 256"
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -54,15 +64,17 @@ MAX_NEW = 24
 ROWS, SEQ_LEN = 8, 128  # matmul_gflops' shapes: [ROWS x SEQ_LEN, hidden], rows of the quick start's seq_len
 
 
-def primerl_run(out: Path, steps: int) -> dict:
-    """One ``primerl run``: rollouts/s, the trainer's median time/train and trained tokens per
-    step, and each process's CPU seconds per step (psutil, if installed)."""
+def primerl_run(out: Path, steps: int, extra: list[str] = ()) -> dict:
+    """One ``primerl run`` (``extra``: more of its options): rollouts/s, the trainer's median
+    time/train and trained tokens per step, the samples' mean policy lag (``off_policy/mean``)
+    and each process's CPU seconds per step (psutil, if installed)."""
     cmd = [sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
            "--output-dir", str(out), "--max-steps", str(steps + 1), "--sft.steps", "0", "--env.max_words", "1",
            "--orchestrator.batch_size", str(SAMPLES_PER_STEP), "--orchestrator.group_size", str(GROUP),
            "--orchestrator.max_tokens", str(MAX_NEW), "--orchestrator.temperature", "1.0",
            "--orchestrator.async_level", "1",
-           "--inference.port", "0"]  # any free port: another run on this machine may hold 8000
+           "--inference.port", "0",  # any free port: another run on this machine may hold 8000
+           *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     metrics = out / "metrics.jsonl"
     cpu: list[dict[str, float]] = []  # per-process CPU seconds at the end of step 1 and of the last step
@@ -84,6 +96,7 @@ def primerl_run(out: Path, steps: int) -> dict:
         "train_s": statistics.median(r["time/train"] for r in trained),
         "tokens": statistics.median(SAMPLES_PER_STEP * (r["seq_len/mean"] - 1) for r in trained),
         "computed": statistics.median(r["trainer/tokens"] for r in trained),
+        "off_policy": statistics.mean(r["off_policy/mean"] for r in trained),
     }
     if len(cpu) == 2 and cpu[0]:
         result["cpu"] = {k: (cpu[1][k] - cpu[0][k]) / (len(stamps) - 1) for k in cpu[0] if k in cpu[1]}
@@ -215,6 +228,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--primerl-args", default="", help="more `primerl run` options, e.g. "
+                    "'--orchestrator.async_level 2 --inference.max_batch_size 128 --inference.kv_slots 256'")
     ap.add_argument("--trl-only", choices=("eager", "sdpa"), help=argparse.SUPPRESS)  # one TRL run (a child)
     ap.add_argument("--trl-threads", type=int, default=os.cpu_count() or 2, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -233,7 +248,7 @@ def main() -> None:
     rates = [matmul_gflops()]
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            ours.append(primerl_run(Path(tmp) / f"primerl{r}", args.steps))
+            ours.append(primerl_run(Path(tmp) / f"primerl{r}", args.steps, shlex.split(args.primerl_args)))
             rates.append(matmul_gflops())
             probe = {t: trl_run(Path(tmp) / f"probe{t}_{r}", 3, "eager", t) for t in sorted({1, os.cpu_count() or 1})}
             chosen.append(max(probe, key=lambda t: probe[t]))
@@ -253,6 +268,7 @@ def main() -> None:
     active = active_params()
     result = {
         "bench": "vs_trl", "steps": args.steps, "rounds": args.rounds, "samples_per_step": SAMPLES_PER_STEP,
+        **({"primerl_args": args.primerl_args} if args.primerl_args else {}),
         "primerl_rollouts_per_s": round(primerl, 2), "trl_rollouts_per_s": round(trl, 2),
         "trl_attn": best, "trl_threads_by_round": chosen,
         "trl_rollouts_per_s_by_attn": {a: round(statistics.median(v), 2) for a, v in theirs.items()},
@@ -260,6 +276,7 @@ def main() -> None:
         "computed_tokens_per_step": round(statistics.median(o["computed"] for o in ours)),
         "active_params": active, "trainer_gflops": round(6 * active * tokens / train_s / 1e9, 1),
         "matmul_gflops": round(statistics.median(rates), 1),
+        "off_policy_mean": round(statistics.median(o["off_policy"] for o in ours), 2),
     }
     cpus = [o["cpu"] for o in ours if o.get("cpu")]
     if cpus:
