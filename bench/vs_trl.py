@@ -31,7 +31,6 @@ Also reported, to tell how close the trainer is to the machine:
   between the rounds (median).
 * ``cpu_s_per_step``: CPU seconds per step of each primerl process (when psutil is
   installed; TRL and accelerate bring it).
-
 * ``off_policy_mean``: how many policy versions the trained samples lag, on average
   (``off_policy/mean`` in metrics.jsonl): about ``async_level``.
 
