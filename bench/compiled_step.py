@@ -17,15 +17,16 @@ one torch thread (what each role gets in ``primerl run`` on 2 cores):
   policy-gradient loss, backward and fused AdamW; ``trainer`` the model as the trainer
   runs it, ``eager`` / ``compiled`` the traceable forward.
 
-What it takes to trace either forward as one graph, applied in this process only (each
-keeps the maths, up to rounding): routed experts in their dense form (every expert on
-every token; ``torch._grouped_mm`` has no float32 fake-tensor kernel on the CPU, and the
-per-expert loop reads the counts as Python ints); the derived-weight caches rebuilt in
-the graph (dynamo cannot read ``Tensor.is_inference()`` or tensor versions); RoPE's
-storage-offset check dropped (always a contiguous copy); the DSA indexer scoring every
-query (its shortcut for queries that keep all their keys is data-dependent); the context
-parallel ``ContextVar`` read skipped; the decode batch's cache addressing built from
-static shapes instead of ``nonzero`` and ``int(max(...))``.
+What it takes to trace either forward as one graph (each keeps the maths, up to
+rounding). The models do part of it themselves while ``torch.compile`` traces them: the
+derived-weight caches are rebuilt in the graph (dynamo cannot read tensor versions),
+RoPE always copies its pairs (no storage-offset check), the DSA indexer scores every
+query (its shortcut for queries that keep all their keys depends on the data). This
+bench adds, in its own process only: routed experts in their dense form (every expert
+on every token; ``torch._grouped_mm`` has no float32 fake-tensor kernel on the CPU, and
+the per-expert loop reads the counts as Python ints), the context-parallel
+``ContextVar`` read skipped, and the decode batch's cache addressing built from static
+shapes instead of ``nonzero`` and ``int(max(...))``.
 
     python bench/compiled_step.py     # final line: {"speedup": {"decode": ..., "train": ...}, ...}
 
@@ -58,45 +59,13 @@ def timed(fn, calls: int) -> float:
 
 
 def make_traceable() -> None:
-    """The patches of the module docstring, for this process."""
-    import primerl_glm5.model as glm5
-
+    """The bench-only patches of the module docstring, for this process."""
     import primerl.models.batch as batch_mod
     import primerl.models.layers as layers
-    import primerl.models.mla as mla
 
     layers.DENSE_GROUPED_MAX_TOKENS = layers.DENSE_EXPERTS_MAX_TOKENS = 1 << 30  # dense experts
-    torch.Tensor.is_inference = lambda self: True  # type: ignore[method-assign]  # weight caches: rebuild
-    layers.derived = mla.derived = lambda owner, name, build, *sources: build()
 
-    def rope_interleaved(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        pairs = x.float().unflatten(-1, (-1, 2)).contiguous()
-        return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(x.dtype)
-
-    layers.rope_interleaved = mla.rope_interleaved = glm5.rope_interleaved = rope_interleaved
-
-    @torch.no_grad()
-    def indexer(self, x, q_latent, batch, layer):  # glm5's Indexer.forward scoring every query
-        B, S, _ = x.shape
-        rot = batch.extra["rot"]  # [B, S, rope/2]
-        k = self.k_norm(self.wk(x))
-        k = torch.cat([rope_interleaved(k[..., : self.rope_dim], rot), k[..., self.rope_dim:]], -1)
-        k = batch.keys(k, layer, "index_k")  # [B, T, D]
-        T = k.shape[1]
-        if T <= self.topk:
-            return batch.visible
-        q = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim)
-        q = torch.cat([rope_interleaved(q[..., : self.rope_dim], rot[:, :, None]), q[..., self.rope_dim:]], -1)
-        w = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, S, H]
-        scores = torch.bmm(q.float().reshape(B, S * self.n_heads, self.head_dim), k.float().transpose(1, 2))
-        scores = scores.mul_(self.softmax_scale).relu_().view(B * S, self.n_heads, T)
-        index = torch.bmm(w.reshape(B * S, 1, self.n_heads), scores).view(B, S, T)
-        index = index + batch.bias(batch.visible, torch.float32)
-        return glm5.top_keys(index, self.topk) & batch.visible
-
-    glm5.Indexer.forward = indexer
-
-    class NoShard:
+    class NoShard:  # make_batch's context-parallel ContextVar: nothing sharded here
         def get(self):
             return None
 

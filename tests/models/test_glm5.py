@@ -80,6 +80,33 @@ def test_sparse_attention_path_is_exercised(model):
     assert (sparse_logits[:, 40:] - dense_logits[:, 40:]).abs().max() > 1e-3
 
 
+def test_attention_traces_as_one_graph(model):
+    """While torch.compile traces, MLA's folded weights are rebuilt in the graph, RoPE
+    copies its pairs and the DSA indexer scores every query (no data-dependent shortcut):
+    every layer's attention is one graph, with the eager outputs (90 tokens: the indexer
+    selects)."""
+    from primerl.models.batch import Batch
+
+    x = torch.randn(2, 90, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def attend(x):
+        B, S, _ = x.shape
+        i = torch.arange(S)
+        batch = Batch(i.expand(B, S), torch.full((B,), S), torch.ones(B, S, dtype=torch.bool),
+                      (i[None, :] <= i[:, None]).expand(B, S, S))
+        model.prepare(batch, x.dtype)
+        carry, outs = None, []
+        for layer in model.model.layers:
+            out, carry = layer.self_attn(x, batch, carry)
+            outs.append(out)
+        return torch.stack(outs)  # [layers, B, S, hidden]
+
+    with torch.no_grad():
+        ref = attend(x)
+        traced = torch.compile(attend, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(traced, ref, atol=TOL, rtol=0)
+
+
 def test_dsa_top_keys_break_exact_ties_like_a_stable_sort():
     """The indexer's top-k picks what a stable descending sort picks (earlier key first on
     exact ties, which relu makes common: all-zero scores), whatever the padding."""

@@ -124,8 +124,10 @@ def rope_interleaved(x: Tensor, rot: Tensor) -> Tensor:
     """
     # (x0 + i x1) * (cos + i sin) on complex pairs, in float32 (bf16 inputs round once, at the end)
     pairs = x.float().unflatten(-1, (-1, 2))  # [..., D/2, 2]
-    if pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
-        pairs = pairs.contiguous()  # view_as_complex needs whole complex numbers in place
+    # view_as_complex needs whole complex numbers in place (traced by torch.compile: always
+    # copied, as dynamo cannot read the storage offset)
+    if torch.compiler.is_compiling() or pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()
     return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(x.dtype)
 
 
@@ -423,12 +425,20 @@ class Experts(nn.Module):
         return derived(self, "down_stacked", lambda: w.transpose(1, 2).reshape(-1, w.shape[1]), w)
 
 
+def keeps_derived(*sources: Tensor) -> bool:
+    """Whether :func:`derived` may keep a tensor built from ``sources`` between calls: not
+    with autograd on (gradients must flow to the sources), not for inference tensors (they
+    have no version to notice an update by), not while ``torch.compile`` traces (dynamo
+    cannot read versions; the graph rebuilds the tensor instead)."""
+    return not (torch.is_grad_enabled() or torch.compiler.is_compiling() or any(t.is_inference() for t in sources))
+
+
 def derived(owner: nn.Module, name: str, build: Callable[[], Tensor], *sources: Tensor) -> Tensor:
-    """A tensor computed from weights (stacked, concatenated) by ``build``. With autograd
-    on it is rebuilt every call (gradients flow to the sources); without (decode steps) it
-    is kept on ``owner`` until a source changes: a weight update writes in place, which
-    bumps the tensor's version, or swaps its storage."""
-    if torch.is_grad_enabled() or any(t.is_inference() for t in sources):  # inference tensors have no version
+    """A tensor computed from weights (stacked, concatenated) by ``build``. Rebuilt every
+    call unless :func:`keeps_derived` (decode steps): then kept on ``owner`` until a source
+    changes: a weight update writes in place, which bumps the tensor's version, or swaps
+    its storage."""
+    if not keeps_derived(*sources):
         return build()
     key = tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
     cache = owner.__dict__.setdefault("_derived", {})

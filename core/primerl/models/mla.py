@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from primerl.models.batch import Batch
-from primerl.models.layers import RMSNorm, derived, rope_halves, rope_interleaved
+from primerl.models.layers import RMSNorm, derived, keeps_derived, rope_halves, rope_interleaved
 
 
 def mla_cache_layout(config: Any) -> dict[str, tuple[int, ...]]:
@@ -158,7 +158,7 @@ class MLAttention(nn.Module):
             wo_f = torch.matmul(wo_h, heads[:, nope:]).transpose(0, 1).flatten(1)  # [hidden, H * kv_lora]
             return wq_f, wo_f
 
-        if torch.is_grad_enabled() or any(t.is_inference() for t in (wq, wb, wo)):
+        if not keeps_derived(wq, wb, wo):
             return build()
         wq_f = derived(self, "folded_q", lambda: build()[0], wq, wb, wo)
         return wq_f, derived(self, "folded_o", lambda: build()[1], wq, wb, wo)

@@ -192,12 +192,16 @@ class Indexer(nn.Module):
         # A query that sees at most topk keys keeps them all: only the queries from the first
         # one that sees more (in any row) on are scored. Exact, and on short sequences (RL
         # prompts and completions below GLM-5's 2048) it skips most or all of the indexer.
+        # (Traced by torch.compile every query is scored: where the first one is depends on
+        # the data.)
         if T <= self.topk:
             return batch.visible
-        crowded = (batch.keys_seen() > self.topk).any(0).nonzero()  # [n, 1] query columns
-        if crowded.numel() == 0:
-            return batch.visible
-        s0 = int(crowded[0, 0])
+        s0 = 0
+        if not torch.compiler.is_compiling():
+            crowded = (batch.keys_seen() > self.topk).any(0).nonzero()  # [n, 1] query columns
+            if crowded.numel() == 0:
+                return batch.visible
+            s0 = int(crowded[0, 0])
         if s0:
             x, q_latent, rot = x[:, s0:], q_latent[:, s0:], rot[:, s0:]
             S = S - s0
