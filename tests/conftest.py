@@ -83,6 +83,13 @@ def venv(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="session")
+def swe_cache(tmp_path_factory):
+    """The swe env's cache (shipped sets, each task's environment) for the whole session: a task's
+    environment is made once however many tests run it."""
+    return tmp_path_factory.mktemp("swe-cache")
+
+
 @pytest.fixture(scope="module")
 def glm5():
     """The tiny GLM-5 preset (seed 1) and its tokenizer: the model the KV-store tests serve."""

@@ -202,19 +202,18 @@ def env_check(
     tasks: str | None = typer.Option(None, "--tasks", help="Task file (sets env.tasks)."),
     oracle: bool = typer.Option(False, "--oracle", help="Score the reference solutions instead of none."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {instance_id, reward, error}."),
+    jobs: int = typer.Option(4, "--jobs", min=1, help="Tasks checked at once."),
 ) -> None:
     """Validate an environment's dataset: the reward of every task with the reference
     solution (--oracle) or without any. Exit code 1 when a task could not be run, or when
     --oracle leaves a task below 1."""
     from primerl.envs import CheckableEnv, TaskError
-    from primerl.registry import get_registry
 
-    cfg = _resolve(ctx, {"env.name": name, **({"env.tasks": tasks} if tasks else {})})
-    env = get_registry().load("env", name)(cfg.env)
+    env = _env_for(ctx, name, tasks)
     if not isinstance(env, CheckableEnv):
         raise PrimerlError(f"environment '{name}' has no dataset check (it defines no check() method)")
     try:
-        results = env.check(oracle=oracle)
+        results = env.check(oracle=oracle, workers=jobs)
     except TaskError as exc:
         raise PrimerlError(f"environment '{name}' cannot run its tasks: {exc.cause}") from None
     errors = [r for r in results if r.get("reward") is None]
@@ -235,6 +234,51 @@ def env_check(
                    (f", {len(errors)} could not be run (see error)" if errors else ""))
     if errors or (oracle and any(r["reward"] < 1 for r in results)):
         raise typer.Exit(1)
+
+
+@env_app.command("prepare", context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
+def env_prepare(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Environment plugin, e.g. swe"),
+    tasks: str | None = typer.Option(None, "--tasks", help="Task file (sets env.tasks)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {instance_id, error, setup_s}."),
+    jobs: int = typer.Option(4, "--jobs", min=1, help="Tasks set up at once."),
+    offline: bool = typer.Option(False, "--offline", help="Set up with no network (as a run does)."),
+) -> None:
+    """Set up every task of an environment ahead of training (for swe: each task's
+    environment, running install recipes with the network on), so that a run reuses
+    it. Exit code 1 when a task could not be set up."""
+    from primerl.envs import PreparableEnv, TaskError
+
+    env = _env_for(ctx, name, tasks)
+    if not isinstance(env, PreparableEnv):
+        raise PrimerlError(f"environment '{name}' needs no preparation (it defines no prepare() method)")
+    try:
+        results = env.prepare(network=not offline, jobs=jobs)
+    except TaskError as exc:
+        raise PrimerlError(f"environment '{name}' cannot set up its tasks: {exc.cause}") from None
+    errors = [r for r in results if r.get("error")]
+    if as_json:
+        typer.echo(json.dumps(results, indent=2))
+    else:
+        table = Table(title=f"{name}: task setup")
+        table.add_column("instance_id")
+        table.add_column("setup s", justify="right")
+        table.add_column("error", overflow="fold")
+        for r in results:
+            table.add_row(r["instance_id"], f"{r.get('setup_s', 0.0):.1f}", r.get("error") or "")
+        console.print(table)
+        typer.echo(f"{len(results)} tasks, {len(results) - len(errors)} ready" +
+                   (f", {len(errors)} could not be set up (see error)" if errors else ""))
+    if errors:
+        raise typer.Exit(1)
+
+
+def _env_for(ctx: typer.Context, name: str, tasks: str | None):
+    from primerl.registry import get_registry
+
+    cfg = _resolve(ctx, {"env.name": name, **({"env.tasks": tasks} if tasks else {})})
+    return get_registry().load("env", name)(cfg.env)
 
 
 # --------------------------------------------------------------------------------------

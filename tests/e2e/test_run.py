@@ -148,17 +148,19 @@ def test_multi_turn_wordle_run_completes(tmp_path):
 
 
 @pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
-def test_swe_run_completes(tmp_path):
-    from primerl_swe.build_tasks import build
-
-    tasks = build(tmp_path / "swe")
+def test_swe_runs_as_typed(tmp_path, swe_cache):
+    """`primerl run --model glm5 --env swe`: no task file, so the shipped set is built on first
+    use (said in the log); every episode is set up, played and scored (no task errors)."""
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "swe",
-                        "--env.tasks", str(tasks), "--max-steps", "1", "--output-dir", str(out)],
+                        "--max-steps", "2", "--output-dir", str(out), "--env.cache_dir", str(swe_cache)],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert 0.0 <= row["reward/mean"] <= 1.0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["errors/task"] == 0 and row["errors/rollout"] == 0 and row["turns/mean"] >= 1 for row in rows), rows
+    log = (out / "logs" / "orchestrator.log").read_text()
+    assert "building the shipped task set 'pyutils'" in log or "made the environment of pyutils__" in log, log[-3000:]
     import tempfile
 
     leftovers = list(Path(tempfile.gettempdir(), "primerl-swe").glob("*/primerl-swe-*"))

@@ -19,6 +19,8 @@ import pytest
 from primerl_swe import repo, sandbox
 from primerl_swe.build_tasks import build
 from primerl_swe.env import Swe, SweConfig, load_tasks
+from primerl_swe.records import TaskFileError
+from primerl_swe.testenv import make_layered_venv
 
 from primerl.envs import TaskError
 from primerl.errors import PrimerlError
@@ -31,6 +33,11 @@ def tasks_file(tmp_path_factory):
     return build(tmp_path_factory.mktemp("swe"))
 
 
+def swe(tasks, cache, **options) -> Swe:
+    """The env as a run makes it, its task environments in the session's cache."""
+    return Swe(SweConfig(tasks=str(tasks), cache_dir=str(cache), **options))
+
+
 @pytest.fixture
 def scratch(tmp_path):
     d = tmp_path / "scratch"
@@ -40,16 +47,16 @@ def scratch(tmp_path):
 
 def test_shipped_set_is_large_and_well_formed(tasks_file):
     recs = load_tasks(tasks_file)
-    assert len(recs) >= 20 and len({r["instance_id"] for r in recs}) == len(recs)
+    assert len(recs) >= 20 and len({r.instance_id for r in recs}) == len(recs)
     for r in recs:
-        assert r["FAIL_TO_PASS"] and r["PASS_TO_PASS"] and r["patch"].startswith("diff --git")
-        assert repo.git(["rev-parse", "HEAD"], Path(r["repo"])).strip() == r["base_commit"]
+        assert r.fail_to_pass and r.pass_to_pass and r.patch.startswith("diff --git")
+        assert repo.git(["rev-parse", "HEAD"], r.repo).strip() == r.base_commit
 
 
 def test_bad_task_files_name_the_problem(tmp_path):
     bad = tmp_path / "t.jsonl"
     bad.write_text('{"instance_id": "x"}\n')
-    with pytest.raises(ValueError, match=r"t.jsonl:1: missing fields \['repo'"):
+    with pytest.raises(TaskFileError, match=r"t.jsonl:1: missing fields \['repo'"):
         load_tasks(bad)
     with pytest.raises(ValueError, match="is not a file"):
         SweConfig(tasks=str(tmp_path / "missing.jsonl"))
@@ -57,11 +64,12 @@ def test_bad_task_files_name_the_problem(tmp_path):
 
 @needs_bwrap
 @pytest.mark.slow
-def test_env_check_oracle_gives_one_and_none_gives_zero(tasks_file):
+def test_env_check_oracle_gives_one_and_none_gives_zero(tasks_file, swe_cache):
     """`primerl env check swe`, as users run it: reward 1 with the gold patch, 0 without."""
     for flags, want in ((["--oracle"], 1.0), ([], 0.0)):
         r = subprocess.run([sys.executable, "-m", "primerl.cli", "env", "check", "swe", "--tasks", str(tasks_file),
-                            "--json", *flags], capture_output=True, text=True, timeout=900)
+                            "--json", "--env.cache_dir", str(swe_cache), *flags],
+                           capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout + r.stderr
         results = json.loads(r.stdout)
         assert len(results) >= 20
@@ -69,22 +77,23 @@ def test_env_check_oracle_gives_one_and_none_gives_zero(tasks_file):
 
 
 @needs_bwrap
-def test_tasks_are_genuine_bugs(tasks_file):
+def test_tasks_are_genuine_bugs(tasks_file, swe_cache):
     """Before the fix the regression tests fail while the existing suite passes; after it all pass."""
+    env = swe(tasks_file, swe_cache)
     for rec in load_tasks(tasks_file)[:3]:
-        work = repo.checkout(rec["repo"], rec["base_commit"])
+        work = repo.checkout(rec.repo, rec.base_commit)
         try:
-            repo.apply_patch(work, rec["test_patch"])
-            outcomes, _ = repo.run_tests(work, rec["FAIL_TO_PASS"] + rec["PASS_TO_PASS"])
-            assert all(outcomes.get(t) == "FAILED" for t in rec["FAIL_TO_PASS"]), outcomes
-            assert all(outcomes.get(t) == "PASSED" for t in rec["PASS_TO_PASS"]), outcomes
+            repo.apply_patch(work, rec.test_patch)
+            report, _ = repo.run_tests(work, rec.tests, env=env.test_env(rec, work))
+            assert all(report.outcomes.get(t) == "FAILED" for t in rec.fail_to_pass), report
+            assert all(report.outcomes.get(t) == "PASSED" for t in rec.pass_to_pass), report
         finally:
             repo.remove(work)
 
 
 @needs_bwrap
-def test_agent_tools_work_and_stay_inside_the_checkout(tasks_file, tmp_path):
-    env = Swe(SweConfig(tasks=str(tasks_file)))
+def test_agent_tools_work_and_stay_inside_the_checkout(tasks_file, swe_cache):
+    env = swe(tasks_file, swe_cache)
     task = next(t for t in env.tasks("train") if t.id == "pyutils__median-even")
     state = env.setup(task)
     try:
@@ -260,10 +269,10 @@ def unseen(tmp_path_factory):
 
 
 @needs_bwrap
-def test_unseen_tasks_check_like_the_shipped_ones_and_broken_ones_are_errors(unseen):
+def test_unseen_tasks_check_like_the_shipped_ones_and_broken_ones_are_errors(unseen, swe_cache):
     import re
 
-    env = Swe(SweConfig(tasks=str(unseen)))
+    env = swe(unseen, swe_cache)
     for oracle, want in ((True, 1.0), (False, 0.0)):
         rows = {r["instance_id"]: r for r in env.check(oracle=oracle)}
         assert rows["calc__add"]["reward"] == want and rows["calc__add"]["error"] is None, rows["calc__add"]
@@ -283,10 +292,10 @@ def test_unseen_tasks_check_like_the_shipped_ones_and_broken_ones_are_errors(uns
 
 
 @needs_bwrap
-def test_model_caused_failures_stay_zero(unseen, tmp_path):
+def test_model_caused_failures_stay_zero(unseen, tmp_path, swe_cache):
     """Whatever the agent does to its checkout is a reward of 0, never an error: a syntax error,
     a conftest that kills pytest, a wrecked or hostile .git, a chmod-ed checkout, a symlink out."""
-    env = Swe(SweConfig(tasks=str(unseen)))
+    env = swe(unseen, swe_cache)
     task = next(t for t in env.tasks("train") if t.id == "calc__add")
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -315,40 +324,47 @@ def test_model_caused_failures_stay_zero(unseen, tmp_path):
 
 
 @needs_bwrap
-def test_the_run_tool_finds_python_pytest_and_git(unseen):
-    env = Swe(SweConfig(tasks=str(unseen)))
+def test_the_run_tool_finds_python_pytest_and_git(unseen, swe_cache):
+    """`python`, `pytest` and `pip` are the task environment's (the checkout installed in it), git reads."""
+    env = swe(unseen, swe_cache)
     task = next(t for t in env.tasks("train") if t.id == "calc__add")
     state = env.setup(task)
     try:
-        out = env.run(state, "python -c 'import sys; print(sys.prefix)' && python -m pytest --version && "
+        out = env.run(state, "python -c 'import sys, calc; print(sys.prefix, calc.__file__)' && pytest --version && "
+                             "pip --version && "
                              "echo '# note' >> calc/ops.py && git diff --stat && git commit -qam y; echo committed=$?")
-        assert out.startswith("[exit code 0]") and sys.prefix in out and "pytest" in out, out
+        assert out.startswith("[exit code 0]") and f"{state['env']} /tmp/testbed/calc/__init__.py" in out, out
+        assert "pytest" in out and "\npip " in out, out
         assert "calc/ops.py" in out and "committed=0" not in out  # git reads, the git directory is read-only
         assert "passed" in env.run_tests(state, "tests/test_ops.py::test_mul")
     finally:
         env.cleanup(task, state)
 
 
-def _venv(system_site: bool) -> Path:
-    """A virtual environment under /tmp (hidden by the sandbox's private /tmp unless bound)."""
+def _venv(layered: bool) -> Path:
+    """A virtual environment under /tmp (hidden by the sandbox's private /tmp unless bound):
+    layered over this interpreter's site directories (it sees primerl and pytest), or bare."""
     d = Path(tempfile.mkdtemp(prefix="primerl-venv-", dir="/tmp"))
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip",
-                    *(["--system-site-packages"] if system_site else []), str(d)], check=True)
+    if layered:
+        make_layered_venv(d)
+    else:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(d)], check=True)
     return d
 
 
 @needs_bwrap
-def test_an_interpreter_under_tmp_runs_the_tests(unseen):
+def test_an_interpreter_under_tmp_runs_the_tests(unseen, swe_cache):
     """The interpreter running primerl lives in a venv under /tmp: the sandbox binds it after its
     private /tmp, so the tests run (reward 1 with the gold patch) and `python` is that venv's."""
-    venv = _venv(system_site=True)
+    venv = _venv(layered=True)
     try:
         code = ("import json, sys; from pathlib import Path; from primerl_swe import sandbox; "
                 "from primerl_swe.env import Swe, SweConfig; "
                 "r = sandbox.run(\"python -c 'import sys; print(sys.prefix)'\", Path(sys.argv[2])); "
-                "print(json.dumps([r.output.strip(), Swe(SweConfig(tasks=sys.argv[1])).check(oracle=True)]))")
+                "env = Swe(SweConfig(tasks=sys.argv[1], cache_dir=sys.argv[3])); "
+                "print(json.dumps([r.output.strip(), env.check(oracle=True)]))")
         scratch = Path(tempfile.mkdtemp(prefix="primerl-scratch-"))
-        r = subprocess.run([str(venv / "bin" / "python"), "-c", code, str(unseen), str(scratch)],
+        r = subprocess.run([str(venv / "bin" / "python"), "-c", code, str(unseen), str(scratch), str(swe_cache)],
                            capture_output=True, text=True, timeout=300)
         shutil.rmtree(scratch, ignore_errors=True)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -365,17 +381,17 @@ def test_pytest_missing_in_the_interpreter_is_a_task_error(unseen, tmp_path):
     sandbox's clean environment does not see): every task is an error naming the fix."""
     import sysconfig
 
-    venv = _venv(system_site=False)
+    venv = _venv(layered=False)
     try:
         one = tmp_path / "one.jsonl"
         one.write_text(unseen.read_text().splitlines()[0] + "\n")
         (tmp_path / "calc").symlink_to(unseen.parent / "calc")
         code = ("import json, site, sys; site.addsitedir(sys.argv[2]); "
                 "from primerl.envs import TaskError; from primerl_swe.env import Swe, SweConfig; "
-                "env = Swe(SweConfig(tasks=sys.argv[1])); rows = env.check(oracle=True); "
+                "env = Swe(SweConfig(tasks=sys.argv[1], cache_dir=sys.argv[3])); rows = env.check(oracle=True); "
                 "env.check(oracle=False) == rows or print('differs'); print(json.dumps(rows))")
-        r = subprocess.run([str(venv / "bin" / "python"), "-c", code, str(one), sysconfig.get_paths()["purelib"]],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run([str(venv / "bin" / "python"), "-c", code, str(one), sysconfig.get_paths()["purelib"],
+                            str(tmp_path / "cache")], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         (row,) = json.loads(r.stdout.splitlines()[-1])
         assert row["reward"] is None and f"pytest is not installed in {venv}/bin/python" in row["error"], row

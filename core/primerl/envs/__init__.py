@@ -103,16 +103,27 @@ class Environment:
 
 @runtime_checkable
 class CheckableEnv(Protocol):
-    """An env that can validate its own dataset: ``primerl env check NAME [--oracle]``.
+    """An env that can validate its own dataset: ``primerl env check NAME [--oracle] [--jobs N]``.
 
     ``check`` returns one row per task, ``{"instance_id": str, "reward": float | None,
     "error": str | None}``: with ``oracle`` the reward of the task's reference solution
     (a valid task scores 1), without it the reward of doing nothing (a valid task scores
     0). A task that cannot be run has ``reward`` None and ``error`` its cause (see
-    :class:`TaskError`).
+    :class:`TaskError`). ``workers`` tasks are checked at once.
     """
 
-    def check(self, oracle: bool = False) -> list[dict[str, Any]]: ...
+    def check(self, oracle: bool = False, workers: int = 4) -> list[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class PreparableEnv(Protocol):
+    """An env whose tasks need a one-time setup (environments, installs): ``primerl env
+    prepare NAME [--jobs N]`` runs it ahead of training, with the network reachable when
+    ``network`` (an RL run then reuses what it made, offline). One row per task:
+    ``{"instance_id": str, "error": str | None, "setup_s": float}`` (``setup_s`` 0: already made).
+    """
+
+    def prepare(self, network: bool = True, jobs: int = 4) -> list[dict[str, Any]]: ...
 
 
 class SingleTurnEnv(Environment):
@@ -129,4 +140,4 @@ class SingleTurnEnv(Environment):
         return r
 
 
-__all__ = ["CheckableEnv", "Environment", "Message", "SingleTurnEnv", "Task", "TaskError"]
+__all__ = ["CheckableEnv", "Environment", "Message", "PreparableEnv", "SingleTurnEnv", "Task", "TaskError"]

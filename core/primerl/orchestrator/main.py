@@ -315,6 +315,9 @@ class Orchestrator:
         while True:
             while self.may_start():
                 draw, task = next(self.tasks)
+                if not isinstance(task, Task):
+                    raise TypeError(f"environment '{self.cfg.env.name}' yielded a {type(task).__name__} from its "
+                                    "train split, not a primerl.envs.Task")
                 self.pending[draw] = task
                 self.drawn = max(self.drawn, draw + 1)
                 group = Group(task=task, start_version=self.version, size=self.o.group_size,
@@ -587,13 +590,26 @@ class Orchestrator:
                 self.pending.pop(group.draw, None)
 
     async def run(self) -> None:
+        """Run the loops until the last batch is written. The first of them to fail ends the
+        run at once: its exception is raised (a :class:`PrimerlError` as it is, anything
+        else as :class:`RunFailed` naming the loop), never left to a silent wait."""
         self.eval_tasks = self._eval_tasks() if self.o.eval_every else []
         await self.client.wait_ready()
         self.broken = asyncio.get_running_loop().create_future()
-        jobs = [asyncio.create_task(self.watch_weights()), asyncio.create_task(self.start_groups())]
+        loops = {asyncio.create_task(self.watch_weights()): "the weight watcher",
+                 asyncio.create_task(self.start_groups()): "the group starter (drawing tasks, starting groups)"}
         writer = asyncio.create_task(self.write_batches())
+        loops[writer] = "the batch writer"
+        jobs = [job for job in loops if job is not writer]
         try:
-            await asyncio.wait([writer, self.broken], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([*loops, self.broken], return_when=asyncio.FIRST_COMPLETED)
+            for job, what in loops.items():
+                if job.done() and not job.cancelled() and job.exception() is not None:
+                    exc = job.exception()
+                    if isinstance(exc, (PrimerlError, RunFailed)):
+                        raise exc
+                    cause = " ".join(f"{type(exc).__name__}: {exc}".split())
+                    raise RunFailed(f"{what} failed: {cause}") from exc
             if not writer.done():
                 raise RunFailed(self.broken.result())
             writer.result()

@@ -11,16 +11,18 @@ directory is visible read-only (``git diff``/``log``/``status`` work, commits do
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+import attrs
+
 from primerl.errors import PrimerlError
-from primerl_swe import sandbox
+from primerl_swe import sandbox, testenv
 
 
 class RepoError(RuntimeError):
@@ -122,26 +124,73 @@ def remove(work: Path) -> None:
 
 TEST_LIMITS = sandbox.Limits(wall_s=120)
 COMMAND_LIMITS = sandbox.Limits()
-_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.M)
+PASSING = ("PASSED", "XFAIL")  # SWE-bench's rule: an expected failure counts as passing
 
 
-def pytest_command(args: str = "") -> str:
-    """pytest of the interpreter running primerl (not whatever ``python`` is on PATH)."""
-    return f"{shlex.quote(sandbox.python())} -m pytest -p no:cacheprovider {args}".strip()
+@attrs.frozen
+class Report:
+    """What :mod:`primerl_swe.pytest_report` wrote about one pytest run."""
+
+    outcomes: dict[str, str] = attrs.Factory(dict)  # node id -> PASSED | FAILED | ERROR | SKIPPED | XFAIL | XPASS
+    collected: tuple[str, ...] = ()
+    collect_errors: tuple[dict[str, str], ...] = ()  # {"nodeid", "message"}
+    from_checkout: tuple[str, ...] = ()  # top-level modules imported from the checkout
+    shadowed: dict[str, str] = attrs.Factory(dict)  # module -> the file outside the checkout it came from
+    written: bool = False  # False: the run ended before pytest wrote its report
+
+    def passed(self, node_id: str) -> bool:
+        return self.outcomes.get(node_id) in PASSING
 
 
-def run_tests(work: Path, node_ids: list[str], *, kind: str = "auto",
-              limits: sandbox.Limits = TEST_LIMITS) -> tuple[dict[str, str], sandbox.Result]:
-    """Run pytest node ids in the sandbox. Returns ({node id: outcome}, the raw result);
-    a test that did not report (collection error, timeout) is absent from the map. A module
-    that fails to collect does not stop the others (``--continue-on-collection-errors``).
-    Raises :class:`sandbox.SandboxError` when the sandbox could not start."""
+def test_files(node_ids: list[str]) -> list[str]:
+    """The files holding the node ids, in order (pytest runs these, as SWE-bench's harness does)."""
+    return list(dict.fromkeys(n.split("::")[0] for n in node_ids))
+
+
+def pytest_argv(env: testenv.TestEnv, test_cmd: str = "pytest") -> list[str]:
+    """``test_cmd`` with its pytest run by the task environment's python."""
+    words = shlex.split(test_cmd)
+    if words[:1] in (["pytest"], ["py.test"]):
+        words = words[1:]
+    elif words[1:3] == ["-m", "pytest"]:
+        words = words[3:]
+    return [env.python, "-m", "pytest", "-p", "no:cacheprovider", *words]
+
+
+def run_tests(work: Path, node_ids: list[str], *, env: testenv.TestEnv, kind: str = "auto",
+              limits: sandbox.Limits = TEST_LIMITS, test_cmd: str = "pytest", modules: tuple[str, ...] = (),
+              collect_only: bool = False) -> tuple[Report, sandbox.Result]:
+    """Run the files of ``node_ids`` with pytest in the sandbox, in the task's environment;
+    returns the structured report and the raw result. A module that fails to collect does not
+    stop the others. ``modules`` must be imported from the checkout (else they are reported
+    ``shadowed``). Raises :class:`sandbox.SandboxError` when the sandbox could not start."""
     if not node_ids:
-        return {}, sandbox.Result(0, "")
-    args = " ".join(shlex.quote(n) for n in node_ids)
-    cmd = pytest_command(f"-rA -q --no-header --continue-on-collection-errors {args}")
-    result = sandbox.run(cmd, work, kind=kind, limits=limits, ro_paths=_ro_paths(work))
-    return {m.group(2): m.group(1) for m in _OUTCOME.finditer(result.output)}, result
+        return Report(written=True), sandbox.Result(0, "")
+    reports = Path(tempfile.mkdtemp(prefix="primerl-report-", dir=work.parent))
+    try:
+        out = reports / "report.json"
+        argv = [*pytest_argv(env, test_cmd), "-p", testenv.REPORT_PLUGIN, f"--primerl-report={out}",
+                f"--primerl-checkout={env.checkout_at}", f"--rootdir={env.checkout_at}",
+                "--continue-on-collection-errors", *([f"--primerl-modules={','.join(modules)}"] if modules else []),
+                *(["--collect-only", "-q"] if collect_only else []), *test_files(node_ids)]
+        result = sandbox.run(shlex.join(argv), work, kind=kind, limits=limits, ro_paths=[*_ro_paths(work), str(env.root)],
+                             rw_paths=[str(reports)], workdir_at=env.checkout_at, path_first=[str(env.bin)])
+        return _read_report(out), result
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
+
+
+def _read_report(path: Path) -> Report:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return Report()
+    if not isinstance(data, dict):
+        return Report()
+    return Report(outcomes={str(k): str(v) for k, v in dict(data.get("outcomes", {})).items()},
+                  collected=tuple(data.get("collected", ())), collect_errors=tuple(data.get("collect_errors", ())),
+                  from_checkout=tuple(data.get("from_checkout", ())), shadowed=dict(data.get("shadowed", {})),
+                  written=True)
 
 
 def _ro_paths(work: Path) -> list[str]:
@@ -149,11 +198,9 @@ def _ro_paths(work: Path) -> list[str]:
     return [str(g)] if g.is_dir() else []
 
 
-def run(command: str, work: Path, *, kind: str = "auto", limits: sandbox.Limits = COMMAND_LIMITS) -> sandbox.Result:
-    """A shell command in the sandbox, in a scratch checkout (its git directory visible read-only)."""
-    return sandbox.run(command, work, kind=kind, limits=limits, ro_paths=_ro_paths(work))
-
-
-def all_pass(work: Path, node_ids: list[str], *, kind: str = "auto") -> bool:
-    outcomes, _ = run_tests(work, node_ids, kind=kind)
-    return all(outcomes.get(n) == "PASSED" for n in node_ids)
+def run(command: str, work: Path, *, env: testenv.TestEnv, kind: str = "auto",
+        limits: sandbox.Limits = COMMAND_LIMITS) -> sandbox.Result:
+    """A shell command in the sandbox, in a scratch checkout (its git directory visible
+    read-only), with the task's environment first on ``PATH``."""
+    return sandbox.run(command, work, kind=kind, limits=limits, ro_paths=[*_ro_paths(work), str(env.root)],
+                       workdir_at=env.checkout_at, path_first=[str(env.bin)])

@@ -140,18 +140,21 @@ def _in_venv() -> bool:
     return sys.prefix != sys.base_prefix
 
 
-def _bwrap_argv(command: str, workdir: Path, env: dict[str, str], ro_paths: list[str]) -> list[str]:
+def _bwrap_argv(command: str, workdir: Path, env: dict[str, str], ro_paths: list[str], rw_paths: list[str],
+                workdir_at: str, network: bool) -> list[str]:
     # mounts are applied in order; sorted by depth, a path inside another mount (the checkout
     # under a bound prefix, a prefix under /tmp) is mounted after it and stays as it should be
-    mounts = [("--ro-bind", p) for p in [*interpreter_paths(), *ro_paths]] + [("--bind", str(workdir))]
-    mounts.sort(key=lambda m: len(Path(m[1]).parts))
+    mounts = [("--ro-bind", p, p) for p in [*interpreter_paths(), *ro_paths]]
+    mounts += [("--bind", p, p) for p in rw_paths] + [("--bind", str(workdir), workdir_at)]
+    mounts.sort(key=lambda m: len(Path(m[2]).parts))
     exe = python()
     return [bwrap_path(), "--ro-bind", "/", "/", "--tmpfs", "/tmp", "--dev", "/dev", "--proc", "/proc",
-            *[a for flag, p in mounts for a in (flag, p, p)],
+            *[a for m in mounts for a in m],
             *([] if _in_venv() else ["--symlink", exe, f"{SHIM_DIR}/python", "--symlink", exe, f"{SHIM_DIR}/python3"]),
-            "--unshare-all", "--unshare-user", "--cap-drop", "ALL", "--die-with-parent", "--new-session",
+            "--unshare-all", *(["--share-net"] if network else []), "--unshare-user", "--cap-drop", "ALL",
+            "--die-with-parent", "--new-session",
             "--clearenv", *[a for k, v in env.items() for a in ("--setenv", k, v)],
-            "--chdir", str(workdir), "--", "/bin/sh", "-c", command]
+            "--chdir", workdir_at, "--", "/bin/sh", "-c", command]
 
 
 def _pids_cgroup(limit: int) -> Path | None:
@@ -205,25 +208,34 @@ def _limit(limits: Limits, cg: Path | None):
 
 
 def run(command: str, workdir: Path, *, kind: str = "auto", limits: Limits = Limits(),
-        ro_paths: list[str] = ()) -> Result:
-    """Run ``command`` (a shell string) in ``workdir`` inside the sandbox; ``ro_paths`` are
-    extra host paths made visible read-only. Raises :class:`SandboxError` when the sandbox
-    could not start the command (the command's own failures are in the result)."""
+        ro_paths: list[str] = (), rw_paths: list[str] = (), workdir_at: str | None = None,
+        path_first: list[str] = (), network: bool = False) -> Result:
+    """Run ``command`` (a shell string) in ``workdir`` inside the sandbox. ``ro_paths`` and
+    ``rw_paths`` are extra host paths made visible read-only / writable; ``workdir_at`` is
+    where the sandbox sees ``workdir`` (bubblewrap only; default: its own path), so that an
+    environment installed against that path works for every checkout; ``path_first`` goes
+    before the interpreter on ``PATH``; ``network`` keeps the host's network (bubblewrap:
+    for a task's install recipe, never for model-written code). Raises
+    :class:`SandboxError` when the sandbox could not start the command (the command's own
+    failures are in the result)."""
     kind = resolve(kind)
     workdir = Path(workdir).resolve()
+    if kind != "bwrap" and workdir_at not in (None, str(workdir)):
+        raise ValueError(f"the {kind} sandbox runs in place: it cannot show {workdir} at {workdir_at}")
     # the command may have chmod-ed its checkout; the sandbox must still be able to enter it
     mode = workdir.stat().st_mode
     if mode & 0o700 != 0o700:
         os.chmod(workdir, mode | 0o700)
-    path = ([SHIM_DIR] if kind == "bwrap" and not _in_venv() else []) + _path_dirs()
-    env = {"PATH": ":".join(path), "HOME": "/tmp", "LANG": "C.UTF-8",
+    path = [*path_first, *([SHIM_DIR] if kind == "bwrap" and not _in_venv() else []), *_path_dirs()]
+    env = {"PATH": ":".join(dict.fromkeys(path)), "HOME": "/tmp", "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
     # the first line the shell prints is a fresh marker: output before it (or none) is the
     # sandbox's own, and a run without it never started the command
     marker = f"primerl-sandbox-started-{uuid.uuid4().hex}"
     script = f'echo {marker}; exec /bin/sh -c "$1"'
     if kind == "bwrap":
-        argv = _bwrap_argv(script, workdir, env, [os.path.realpath(p) for p in ro_paths])
+        argv = _bwrap_argv(script, workdir, env, [os.path.realpath(p) for p in ro_paths],
+                           [os.path.realpath(p) for p in rw_paths], workdir_at or str(workdir), network)
         argv += ["sh", command]
     else:
         argv = ["/bin/sh", "-c", script, "sh", command]
