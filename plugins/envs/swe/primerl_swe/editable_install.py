@@ -100,7 +100,13 @@ def main() -> None:
     if not hasattr(backend, "build_editable"):
         sys.exit(f"the build backend {name} has no build_editable (PEP 660): give the task an `install` recipe")
     with tempfile.TemporaryDirectory() as out:
-        wheel = Path(out, backend.build_editable(out, {}))
+        try:
+            wheel = Path(out, backend.build_editable(out, {}))
+        except Exception as e:  # noqa: BLE001 - the backend's own error: shown whole, then in one line
+            import traceback
+
+            traceback.print_exc()
+            sys.exit(f"the build backend {name} failed: {type(e).__name__}: {e}")
         dist_info = _install(wheel, project)
     print(f"installed {dist_info[: -len('.dist-info')]} (editable, {name})")
 

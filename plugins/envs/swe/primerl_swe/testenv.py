@@ -207,8 +207,10 @@ def _install(env: TestEnv, checkout: Path, rec: TaskRecord, *, kind: str, networ
             net = "" if network else (" (no network: a recipe that downloads needs `primerl env prepare swe` "
                                       "once, with the registry reachable)" if rec.recipe.pip_packages
                                       or rec.recipe.install else "")
-            raise SetupFailed(f"setting up the task's environment failed: `{step}` {why}{net}: "
-                              f"{sandbox._tail(result.output)}{_backend_hint(result.output)}")
+            lines = [ln.strip() for ln in result.output.splitlines() if ln.strip()]
+            last = lines[-1] if lines else "(no output)"
+            raise SetupFailed(f"setting up the task's environment failed: `{step}` {why}{net}: {last}"
+                              f"{_backend_hint(result.output)} (output: {sandbox._tail(result.output, lines=8, chars=800)})")
     return installed
 
 
