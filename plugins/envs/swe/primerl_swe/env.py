@@ -96,10 +96,12 @@ class SweConfig(MultiTurnConfig):
 @attrs.frozen
 class _Checked:
     """A task's setup check: why it cannot run (None: it runs) and the modules its tests import
-    from the checkout."""
+    from the checkout. ``lasting`` False: a failure that may pass next time (the harness probe,
+    a timeout), checked again rather than kept."""
 
     problem: str | None
     modules: tuple[str, ...] = ()
+    lasting: bool = True
 
 
 class Swe(ToolEnv):
@@ -211,9 +213,12 @@ class Swe(ToolEnv):
         with self._lock:
             lock = self._task_locks.setdefault(f"check:{rec.instance_id}", threading.Lock())
         with lock:
-            if rec.instance_id not in self._checked:
-                self._checked[rec.instance_id] = self._setup_check(rec)
-            return self._checked[rec.instance_id]
+            checked = self._checked.get(rec.instance_id)
+            if checked is None:
+                checked = self._setup_check(rec)
+                if checked.lasting:
+                    self._checked[rec.instance_id] = checked
+            return checked
 
     def _check_key(self, rec: TaskRecord) -> str:
         blob = json.dumps([rec.patch, rec.test_patch, rec.tests, rec.recipe.test_cmd])
@@ -222,7 +227,7 @@ class Swe(ToolEnv):
     def _setup_check(self, rec: TaskRecord) -> _Checked:
         problem = sandbox.harness_problem(self.config.sandbox)
         if problem is not None:
-            return _Checked(problem)  # not cached on disk: it may be fixed by the next run
+            return _Checked(problem, lasting=False)
         try:
             work = self._checkout(rec)
         except TaskError as e:
@@ -234,7 +239,7 @@ class Swe(ToolEnv):
                 data = json.loads(saved.read_text())
                 return _Checked(data["problem"], tuple(data["modules"]))
             checked = self._collect_check(rec, work, env)
-            if self._kind() == "bwrap" and checked.problem != _TIMED_OUT:
+            if self._kind() == "bwrap" and checked.lasting:
                 saved.parent.mkdir(exist_ok=True)
                 tmp = saved.with_name(saved.name + f".{os.getpid()}.tmp")
                 tmp.write_text(json.dumps({"problem": checked.problem, "modules": list(checked.modules)}))
@@ -261,10 +266,11 @@ class Swe(ToolEnv):
                                             limits=self._limits(self.config.test_timeout_s),
                                             test_cmd=rec.recipe.test_cmd, collect_only=True)
         except sandbox.SandboxError as e:
-            return _Checked(str(e))
+            return _Checked(str(e), lasting=False)
         where = "with the gold patch and test_patch applied" if with_patch else "with test_patch applied"
         if result.timed_out:
-            return _Checked(_TIMED_OUT)
+            return _Checked(f"collecting the tests timed out after {self.config.test_timeout_s:g}s {where}; raise "
+                            f"--env.test_timeout_s (output: {sandbox._tail(result.output)})", lasting=False)
         if not report.written:
             return _Checked(f"pytest did not run {where}: {sandbox._tail(result.describe())}")
         if report.shadowed:
@@ -545,9 +551,6 @@ class Swe(ToolEnv):
 
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             return list(pool.map(one, self.records().values()))
-
-
-_TIMED_OUT = "the setup check's test collection timed out; raise --env.test_timeout_s"
 
 
 def testenv_path(work: Path) -> Path:
