@@ -220,14 +220,8 @@ def env_check(
     if as_json:
         typer.echo(json.dumps(results, indent=2))
     else:
-        table = Table(title=f"{name}: {'with' if oracle else 'without'} reference solutions")
-        table.add_column("instance_id")
-        table.add_column("reward", justify="right")
-        table.add_column("error", overflow="fold")
-        for r in results:
-            reward = "-" if r.get("reward") is None else f"{r['reward']:.2f}"
-            table.add_row(r["instance_id"], reward, r.get("error") or "")
-        console.print(table)
+        _task_table(f"{name}: {'with' if oracle else 'without'} reference solutions", "reward", results,
+                    lambda r: "-" if r.get("reward") is None else f"{r['reward']:.2f}")
         scored = [r["reward"] for r in results if r.get("reward") is not None]
         mean = sum(scored) / max(len(scored), 1)
         typer.echo(f"{len(results)} tasks, mean reward {mean:.3f}" +
@@ -261,17 +255,22 @@ def env_prepare(
     if as_json:
         typer.echo(json.dumps(results, indent=2))
     else:
-        table = Table(title=f"{name}: task setup")
-        table.add_column("instance_id")
-        table.add_column("setup s", justify="right")
-        table.add_column("error", overflow="fold")
-        for r in results:
-            table.add_row(r["instance_id"], f"{r.get('setup_s', 0.0):.1f}", r.get("error") or "")
-        console.print(table)
+        _task_table(f"{name}: task setup", "setup s", results, lambda r: f"{r.get('setup_s', 0.0):.1f}")
         typer.echo(f"{len(results)} tasks, {len(results) - len(errors)} ready" +
                    (f", {len(errors)} could not be set up (see error)" if errors else ""))
     if errors:
         raise typer.Exit(1)
+
+
+def _task_table(title: str, header: str, rows: list[dict[str, Any]], value: Any) -> None:
+    """One row per task: its id, ``value(row)`` under ``header``, and its error."""
+    table = Table(title=title)
+    table.add_column("instance_id")
+    table.add_column(header, justify="right")
+    table.add_column("error", overflow="fold")
+    for r in rows:
+        table.add_row(r["instance_id"], value(r), r.get("error") or "")
+    console.print(table)
 
 
 def _env_for(ctx: typer.Context, name: str, tasks: str | None):
