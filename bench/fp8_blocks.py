@@ -16,7 +16,7 @@ Two measurements, one command:
   batches of a synthetic next-token task (arithmetic sequences ``a, a+d, a+2d, ...`` mod
   256 with d in 1..8, so the model must read d from the context), AdamW at 3e-3, once in
   float32 (the CPU trainer's precision) and once with every linear and expert in
-  block-scaled FP8 (:func:`primerl.trainer.fp8.apply_fp8_training_`, emulated on the CPU).
+  block-scaled FP8 (:func:`primerl.models.fp8_matmul.apply_fp8_matmuls_`, emulated on the CPU).
   ``fp8_loss_gap``: the largest relative gap between the two loss curves, each smoothed
   over 10 steps (``fp8_final_loss_gap``: the gap at the last step); final losses are the
   means of the last 10 steps. The noise floor: ``fp32_nudged_loss_gap``, the same gap
@@ -52,7 +52,7 @@ def blocks(w: torch.Tensor) -> torch.Tensor:
 
 
 def tiles(x: torch.Tensor) -> torch.Tensor:
-    from primerl.trainer.fp8 import dequantize_tiles, quantize_tiles
+    from primerl.models.fp8_matmul import dequantize_tiles, quantize_tiles
 
     return dequantize_tiles(*quantize_tiles(x))
 
@@ -189,8 +189,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from primerl.models import ModelConfig
+    from primerl.models.fp8_matmul import apply_fp8_matmuls_
     from primerl.registry import get_registry
-    from primerl.trainer.fp8 import apply_fp8_training_
 
     torch.set_num_threads(1)  # as in `primerl run` on 2 cores: the trainer gets one
     result: dict = {"bench": "fp8_blocks", "model": args.model, "steps": args.steps}
@@ -214,7 +214,7 @@ def main() -> None:
     fp32_model = copy.deepcopy(base)
     fp32_losses = train(fp32_model, data, args.lr, "fp32")
     fp8_model = copy.deepcopy(base)
-    converted = apply_fp8_training_(fp8_model)
+    converted = apply_fp8_matmuls_(fp8_model)
     print(json.dumps({"fp8_modules": len(converted)}), flush=True)
     fp8_losses = train(fp8_model, data, args.lr, "fp8")
     s32, s8 = smooth(fp32_losses), smooth(fp8_losses)

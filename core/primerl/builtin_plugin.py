@@ -17,6 +17,6 @@ def register_losses(register):
 
 @hookimpl
 def register_advantages(register):
-    register("grpo", "primerl.trainer.loss:grpo", description="Reward minus the group mean (Dr. GRPO)")
-    register("grpo_std", "primerl.trainer.loss:grpo_std",
+    register("grpo", "primerl.advantages:grpo", description="Reward minus the group mean (Dr. GRPO)")
+    register("grpo_std", "primerl.advantages:grpo_std",
              description="Reward minus the group mean, divided by the group std (GRPO)")

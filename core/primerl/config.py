@@ -821,15 +821,12 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
                 raise ConfigError(f"{options_key} (from {where}) do not fit {kind} {name!r}: {why}")
 
 
-# KV stores that keep every block in their own process: they cannot hand a prompt's KV from
-# a prefill server to a decode server
-PER_PROCESS_KV_STORES = ("memory",)
-
-
 def _check_pd(cfg: RunConfig, sources: Mapping[str, str]) -> None:
-    """Prefill/decode disaggregation's rules: both pools or neither, not mixed with
-    ``replicas``, and a way to hand KV between servers (the embedded engine: a KV store every
-    server shares; vLLM: its P/D connectors, which cannot return routed experts)."""
+    """Prefill/decode disaggregation's rules that hold for every backend: both pools or
+    neither, not mixed with ``replicas``, and a launcher that starts the two pools. How KV
+    travels from a prefill to a decode server is the backend's rule (its ``Config.check``)."""
+    from primerl.registry import get_registry
+
     inf = cfg.inference
     p, d = inf.prefill_replicas, inf.decode_replicas
     if not p and not d:
@@ -840,40 +837,16 @@ def _check_pd(cfg: RunConfig, sources: Mapping[str, str]) -> None:
             f"inference.{given} ({getattr(inf, given)}, {_src(sources, 'inference.' + given)}) needs "
             f"inference.{missing} too: prefill/decode disaggregation runs both pools (set both, or neither "
             f"for whole-request servers)")
-    if cfg.launcher.name not in ("local", "slurm"):
+    if not get_registry().capabilities("launcher", cfg.launcher.name).supports_pd:
         raise ConfigError(
-            f"inference.prefill_replicas / decode_replicas ({p} / {d}): the prefill and decode servers are started by "
-            f"the local and slurm launchers, not launcher.name = {cfg.launcher.name!r} "
-            f"({_src(sources, 'launcher.name')}): use --inference.replicas there")
+            f"inference.prefill_replicas / decode_replicas ({p} / {d}): launcher.name = {cfg.launcher.name!r} "
+            f"({_src(sources, 'launcher.name')}) does not start prefill and decode server pools: use "
+            f"--inference.replicas there, or a launcher that does (local, slurm)")
     if "inference.replicas" in sources and inf.replicas != 1:
         raise ConfigError(
             f"inference.replicas ({inf.replicas}, {_src(sources, 'inference.replicas')}) and "
             f"inference.prefill_replicas / decode_replicas ({p} / {d}) both say how many servers to start: "
             f"with prefill/decode the two pools replace replicas; drop inference.replicas")
-    if inf.backend == "vllm":
-        routed = getattr(inf, "routed_experts_on", None)
-        if routed is not None and routed(cfg):
-            raise ConfigError(
-                f"inference.prefill_replicas / decode_replicas ({p} / {d}) with --inference.backend vllm hand KV "
-                "over with vLLM's P/D connectors (NixlConnector, MooncakeConnector), with which vLLM refuses to "
-                "return routed experts, but trainer.router_replay / trainer.routing_metrics (or "
-                "inference.return_routed_experts) need them: set --trainer.routing_metrics false (and "
-                "router_replay false), or use --inference.backend embedded, whose P/D hands routed experts over "
-                "with the KV blocks")
-        if inf.kv_store != "memory":
-            raise ConfigError(
-                f"inference.kv_store = {inf.kv_store!r} ({_src(sources, 'inference.kv_store')}) with prefill/decode "
-                f"on --inference.backend vllm: vLLM hands KV from prefill to decode servers with its P/D connector "
-                f"(inference.kv_transfer_config, default NixlConnector), not a KV store: leave inference.kv_store "
-                f"memory (a MultiConnector in kv_transfer_config combines several connectors)")
-        return
-    if inf.kv_store in PER_PROCESS_KV_STORES:
-        raise ConfigError(
-            f"inference.prefill_replicas / decode_replicas ({p} / {d}) hand each prompt's KV from a prefill server "
-            f"to a decode server through the KV store, but inference.kv_store = {inf.kv_store!r} "
-            f"({_src(sources, 'inference.kv_store')}) keeps KV inside each server's process: use "
-            f"--inference.kv_store disk (files in a directory every server shares: the local launcher puts it "
-            f"under the run directory) or --inference.kv_store mooncake (a Mooncake Store pool)")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

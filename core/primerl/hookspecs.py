@@ -15,6 +15,12 @@ string. Prefer the string: ``primerl plugins list`` and ``primerl --help`` then 
 import the component's module, so torch, transformers or vLLM stay unloaded until a
 run selects it.
 
+``capabilities`` declares what the component offers beyond its kind's Protocol, as the
+kind's typed record (:class:`primerl.kv_stores.KVStoreCapabilities` for a KV store);
+omitted, the record's defaults hold. The core and other plugins read it from the
+registry (``Registry.capabilities(kind, name)``) without importing the component, so
+config checks and launchers can ask before anything heavy loads.
+
 Keep this module stable: third parties code against exactly these names and signatures.
 """
 
@@ -28,7 +34,7 @@ from primerl._markers import hookspec
 class Register(Protocol):
     """The callback each hook receives."""
 
-    def __call__(self, name: str, target: Any, *, description: str = "") -> None: ...
+    def __call__(self, name: str, target: Any, *, description: str = "", capabilities: Any = None) -> None: ...
 
 
 @hookspec

@@ -295,3 +295,15 @@ class ErrorResponse(TypedDict):
     """Any 4xx: OpenAI's error shape, with a reason a person can act on."""
 
     error: ErrorBody
+
+
+def inference_urls(cfg: Any) -> list[str]:
+    """The inference servers' base URLs: ``inference.urls`` when set (the local launcher
+    writes the ports it picked there), else replica i on ``inference.host:inference.port + i``."""
+    inf = cfg.inference
+    if inf.urls:
+        return [u.rstrip("/") for u in inf.urls]
+    if inf.prefill_replicas:  # prefill/decode pools: every server, prefill first
+        prefill, decode = inf.pd_urls()
+        return prefill + decode
+    return [f"http://{inf.host}:{inf.port + i}" for i in range(inf.replicas)]

@@ -137,6 +137,34 @@ class PrefixHit:
     handle: Any = None
 
 
+@attrs.frozen(kw_only=True)
+class KVStoreCapabilities:
+    """What a KV store declares when it registers (``register(..., capabilities=...)``).
+
+    ``shares_across_processes``: what one server stores, another server of the run can load
+    (a shared directory, a pool): prefill/decode disaggregation hands KV over through it.
+    ``run_service``: ``"module:attr"`` of what a run needs set up once, before its servers
+    (Mooncake's master; the disk store's shared folder under prefill/decode): called
+    ``(cfg, run_dir, env)`` by the launcher, it returns a started :class:`RunService`, or
+    None when the run needs none (a master is named in ``env`` already).
+    """
+
+    shares_across_processes: bool = False
+    run_service: str | None = None
+
+
+class RunService(Protocol):
+    """What a launcher starts for a run's KV store and stops after it."""
+
+    def describe(self) -> str | None:
+        """One line for the launcher's output (None: nothing to say)."""
+
+    def env(self) -> dict[str, str]:
+        """What every process of the run needs to reach it."""
+
+    def stop(self) -> None: ...
+
+
 class KVStore(Protocol):
     """A per-engine KV store: finds, keeps and evicts cached prefixes for the embedded engine.
 
@@ -154,11 +182,15 @@ class KVStore(Protocol):
 
     and without a hit: ``store.vacate(slot, keep=None); pool.acquire(slot)``.
 
-    Optional attribute ``current_weights_only`` (default False): when True, the engine never
-    hands :meth:`keep` a sequence whose KV began under older weights (one that ran across a
-    weight update); it releases that slot instead. Stores that publish blocks under the
-    current version's keys set it.
+    ``current_weights_only``: when True, the engine never hands :meth:`keep` a sequence whose
+    KV began under older weights (one that ran across a weight update); it releases that
+    slot instead. Stores that publish blocks under the current version's keys set it.
+
+    What a store offers beyond this class's members it declares when it registers
+    (:class:`KVStoreCapabilities`).
     """
+
+    current_weights_only: bool
 
     def bind(self, pool: SlotPool) -> None:
         """Called once, before anything else: the cache this store serves."""

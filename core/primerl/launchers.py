@@ -12,9 +12,23 @@ processes.
 
 from __future__ import annotations
 
+import socket
 from typing import Protocol, runtime_checkable
 
+import attrs
+
 from primerl.config import RunConfig
+
+
+@attrs.frozen(kw_only=True)
+class LauncherCapabilities:
+    """What a launcher declares when it registers (``register(..., capabilities=...)``).
+
+    ``supports_pd``: it starts prefill/decode server pools (``inference.prefill_replicas``,
+    ``decode_replicas``) and hands each server its role.
+    """
+
+    supports_pd: bool = False
 
 
 @runtime_checkable
@@ -29,3 +43,32 @@ class Launcher(Protocol):
 
 
 __all__ = ["Launcher"]
+
+
+# -- what launchers share ------------------------------------------------------------------
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except (OSError, OverflowError):
+            return False
+
+
+def pick_ports(host: str, first: int, n: int) -> list[int]:
+    """``n`` distinct free ports: ``first + i`` where free (``first`` 0: any), else a free one."""
+    ports: list[int] = []
+    for i in range(n):
+        port = first + i if first else 0
+        while port == 0 or port in ports or not _port_free(host, port):
+            port = _free_port(host)
+        ports.append(port)
+    return ports

@@ -61,7 +61,7 @@ parameters; ``shard = dp_shard * cp``, the FSDP2 dimension torchtitan names ``dp
   ``kv_b_proj`` expands from it, GLM-5's indexer keys. Mamba-2 layers cannot be split
   (state passing between ranks is not implemented), so Nemotron plans with ``cp = 1``.
   With ``--fp8`` the inputs that the FP8 linears save are e4m3 with a fp32 scale per
-  1x128 tile (DeepSeek-V3's recipe, ``primerl.trainer.fp8``).
+  1x128 tile (DeepSeek-V3's recipe, ``primerl.models.fp8_matmul``).
 * fits: ``total <= (1 - margin) * GPU memory`` (default 10% of 141 GB left for the CUDA
   caching allocator's fragmentation, NCCL buffers and the CUDA context).
 

@@ -30,7 +30,7 @@ import importlib.util
 import inspect
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -82,6 +82,7 @@ class Component:
     description: str = ""
     error: str | None = None
     duplicate: bool = False  # error is only "another plugin has this name": a qualified pick works
+    capabilities: Any = None  # the kind's capabilities record as registered (None: the record's defaults)
 
     @property
     def status(self) -> str:
@@ -264,15 +265,19 @@ class Registry:
                     self._call_hook(source, kind, impl)
 
     def _call_hook(self, source: PluginSource, kind: str, impl: Any) -> None:
-        def register(name: str, target: Any, *, description: str = "") -> None:
+        def register(name: str, target: Any, *, description: str = "", capabilities: Any = None) -> None:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"register() needs a non-empty name string, got {name!r}")
             if isinstance(target, str) and ":" not in target:
                 raise TypeError(f"lazy target for '{name}' must look like 'module:attr', got {target!r}")
+            record = capabilities_record(kind)
+            if capabilities is not None and (record is None or not isinstance(capabilities, record)):
+                want = f"a {record.__module__}.{record.__qualname__}" if record else "none (this kind declares no record)"
+                raise TypeError(f"capabilities of {kind} '{name}' must be {want}, got {type(capabilities).__name__}")
             self.components.append(
                 Component(kind=kind, name=name, target=target, plugin=source.name,
                           distribution=source.distribution, version=source.version,
-                          description=description or _first_doc_line(target))
+                          description=description or _first_doc_line(target), capabilities=capabilities)
             )
 
         try:
@@ -333,6 +338,28 @@ class Registry:
     def load(self, kind: str, name: str) -> Any:
         return self.find(kind, name).load()
 
+    def capabilities(self, kind: str, name: str) -> Any:
+        """What the ``kind`` component ``name`` declared at registration, as the kind's
+        capabilities record (its defaults when it declared nothing); imports nothing of it."""
+        declared = self.find(kind, name).capabilities
+        if declared is not None:
+            return declared
+        record = capabilities_record(kind)
+        return record() if record is not None else None
+
+
+def capabilities_record(kind: str) -> type | None:
+    """The typed record a component of ``kind`` may declare its capabilities with."""
+    if kind == "kv_store":
+        from primerl.kv_stores import KVStoreCapabilities
+
+        return KVStoreCapabilities
+    if kind == "launcher":
+        from primerl.launchers import LauncherCapabilities
+
+        return LauncherCapabilities
+    return None
+
 
 def _hookimpl_names(plugin: Any) -> list[str]:
     names = []
@@ -379,3 +406,24 @@ def options_problem(kind: str, name: str, options: Mapping[str, Any]) -> str | N
         params = [p for p in signature.parameters if p not in ("self", "args", "kwargs")]
         return f"{exc} ({kind} {name!r} takes: {', '.join(params) or 'no options'})"
     return None
+
+
+def resolve_component(kind: str, name: str, config_key: str) -> Callable:
+    """The component of ``kind`` registered as ``name`` (or ``PLUGIN:NAME``), else the
+    function a ``"module:attr"`` string names. Errors list what is registered."""
+    try:
+        return get_registry().load(kind, name)
+    except PluginError as exc:
+        if not is_target(name):
+            raise PluginError(f"{config_key}: {exc} Or give a function as 'module:attr'.") from None
+        not_registered = exc
+    try:
+        obj = load_target(name)
+    except (ImportError, AttributeError) as exc:
+        raise PluginError(
+            f"{config_key} {name!r} could not be loaded as 'module:attr' ({type(exc).__name__}: {exc}), "
+            f"nor is it a registered {kind}: {not_registered}"
+        ) from None
+    if not callable(obj):
+        raise PluginError(f"{config_key} {name!r} is not callable")
+    return obj

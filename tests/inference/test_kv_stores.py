@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 from primerl_embedded.engine import Engine, SamplingParams
-from primerl_kv_memory.store import MemoryStore, common_prefix
 
+from primerl.kv_memory import MemoryStore, common_prefix
 from primerl.kv_stores import BlockKVStore, KVStore, SlotPool, block_keys
 from primerl.models import ModelConfig
 from primerl.registry import get_registry
@@ -33,6 +33,8 @@ def test_memory_store_is_the_registered_default_and_implements_the_protocol():
 
 class Forgetful:
     """The smallest KV store: keeps nothing (every finished slot goes straight back)."""
+
+    current_weights_only = False
 
     def bind(self, pool: SlotPool) -> None:
         self.pool, self.kept = pool, 0

@@ -288,14 +288,19 @@ def test_a_private_disk_directory_refuses_a_phase(tmp_path):
     KVHandoff(DiskStore(root=tmp_path, shared=True)).check("prefill", SamplingParams(), prefix_reuse=True)
 
 
-def test_config_refuses_a_per_process_store():
-    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "wordle",
-                        "--inference.prefill_replicas", "1", "--inference.decode_replicas", "1", "--dry-run"],
-                       capture_output=True, text=True, timeout=120)
+def test_a_shared_store_is_chosen_when_none_was_and_a_per_process_one_is_refused():
+    pd = ["--inference.prefill_replicas", "1", "--inference.decode_replicas", "1", "--dry-run"]
+    base = [sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "wordle"]
+    r = subprocess.run([*base, *pd], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (note,) = [line for line in r.stderr.splitlines() if line.startswith("note:")]
+    assert "using inference.kv_store = 'disk'" in note and "set --inference.kv_store to choose" in note
+    assert 'kv_store = "disk"' in r.stdout  # the resolved config the processes get
+    r = subprocess.run([*base, *pd, "--inference.kv_store", "memory"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert "inference.kv_store = 'memory'" in r.stderr and "--inference.kv_store disk" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "wordle",
-                        "--inference.decode_replicas", "2", "--inference.kv_store", "disk", "--dry-run"],
+    assert "inference.kv_store = 'memory' (from " in r.stderr and "keeps KV inside each server's process" in r.stderr
+    assert "--inference.kv_store disk" in r.stderr and "--inference.kv_store mooncake" in r.stderr
+    r = subprocess.run([*base, "--inference.decode_replicas", "2", "--inference.kv_store", "disk", "--dry-run"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "needs inference.prefill_replicas too" in r.stderr
 

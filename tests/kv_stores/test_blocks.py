@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import greedy
 from primerl_embedded.engine import Engine
-from primerl_kv_memory.store import MemoryStore
 
+from primerl.kv_memory import MemoryStore
 from primerl.kv_stores import (
     BlockSlotStore,
     KVBlock,

@@ -12,6 +12,7 @@ from conftest import InferenceServer
 from primerl.config import ConfigSources, load_config
 from primerl.envs import SingleTurnEnv, Task
 from primerl.errors import PrimerlError
+from primerl.inference import inference_urls
 from primerl.orchestrator import main as orchestrator_main
 from primerl.orchestrator.main import Orchestrator, RunFailed
 from primerl.registry import get_registry
@@ -57,7 +58,7 @@ def _run(cfg, env, seconds=120):
     from primerl.orchestrator.client import inference_client
 
     async def go():
-        client = inference_client(cfg, servers=orchestrator_main.inference_urls(cfg))
+        client = inference_client(cfg, servers=inference_urls(cfg))
         try:
             await asyncio.wait_for(Orchestrator(cfg, env, client).run(), seconds)
         finally:

@@ -1,4 +1,4 @@
-"""Block-scaled FP8 training (primerl.trainer.fp8): the autograd function against a plain
+"""Block-scaled FP8 training (primerl.models.fp8_matmul): the autograd function against a plain
 quantize-dequantize-matmul reference (exact) and against float32 (within FP8 error); the
 model conversion (names, what stays high precision, experts, an expert-parallel style
 mixin); the weights agree with the FP8 inference weights; a few optimizer steps learn.
@@ -19,19 +19,19 @@ from torch import nn
 from primerl.errors import PrimerlError
 from primerl.models import ModelConfig
 from primerl.models.fp8 import FP8, dequantize_blockwise, fp8_round_trip_, quantize_blockwise
-from primerl.models.layers import Experts, RMSNorm, SigmoidRouter, SoftmaxRouter
-from primerl.registry import get_registry
-from primerl.trainer.fp8 import (
+from primerl.models.fp8_matmul import (
     Fp8Experts,
     Fp8Linear,
     _padded_nt,
     _scaled_mm_nt,
-    apply_fp8_training_,
+    apply_fp8_matmuls_,
     dequantize_tiles,
     fp8_linear,
     fp8_matmul,
     quantize_tiles,
 )
+from primerl.models.layers import Experts, RMSNorm, SigmoidRouter, SoftmaxRouter
+from primerl.registry import get_registry
 
 FP8_REL = 0.06  # relative error of a GEMM with both operands in e4m3 (3 mantissa bits): ~3-4%
 
@@ -192,7 +192,7 @@ def test_conversion_keeps_names_and_leaves_high_precision_modules_alone(name):
     model = build(name)
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     kinds = {n: type(m) for n, m in model.named_modules()}
-    done = apply_fp8_training_(model)
+    done = apply_fp8_matmuls_(model)
 
     after = model.state_dict()
     assert list(after) == list(before)
@@ -209,14 +209,14 @@ def test_conversion_keeps_names_and_leaves_high_precision_modules_alone(name):
     # exactly the weights FP8 inference rounds (primerl.models.fp8.fp8_round_trip_)
     converted = {f"{n}.{p}" for n in done for p, _ in modules[n].named_parameters(recurse=False) if _.dim() >= 2}
     assert converted == set(fp8_round_trip_(copy.deepcopy(build(name))))
-    assert apply_fp8_training_(model) == done  # idempotent
+    assert apply_fp8_matmuls_(model) == done  # idempotent
 
 
 def test_nothing_to_convert_is_an_error():
     model = nn.Module()
     model.embed_tokens, model.norm, model.lm_head = nn.Embedding(10, 8), RMSNorm(8), nn.Linear(8, 10)
     with pytest.raises(PrimerlError, match="nothing to compute in FP8"):
-        apply_fp8_training_(model)
+        apply_fp8_matmuls_(model)
 
 
 def make_experts(gated: bool, E=4, H=96, I=64, seed=0) -> Experts:  # noqa: E741
@@ -252,11 +252,11 @@ def test_fp8_experts_equal_experts_with_dequantized_weights(gated, dense, monkey
     rounded = copy.deepcopy(ref)
     fp8_round_trip_(rounded)
     wonly = copy.deepcopy(ref)
-    apply_fp8_training_(nn.ModuleList([wonly]), activations=False)
+    apply_fp8_matmuls_(nn.ModuleList([wonly]), activations=False)
     assert torch.equal(wonly(x, ids, weights, valid), rounded(x, ids, weights, valid))
 
     fp8 = copy.deepcopy(ref)
-    apply_fp8_training_(nn.ModuleList([fp8]))
+    apply_fp8_matmuls_(nn.ModuleList([fp8]))
     out = fp8(x, ids, weights, valid)
     assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
     assert rel(out, ref(x, ids, weights, valid)) < 2 * FP8_REL
@@ -282,7 +282,7 @@ def test_dense_and_per_expert_paths_agree(monkeypatch):
 
     x, ids, weights, valid = routing()
     ex = make_experts(True)
-    apply_fp8_training_(nn.ModuleList([ex]))
+    apply_fp8_matmuls_(nn.ModuleList([ex]))
     monkeypatch.setattr(layers, "DENSE_EXPERTS_MAX_RATIO", 8)
     dense = ex(x, ids, weights, valid)
     monkeypatch.setattr(layers, "DENSE_EXPERTS_MAX_RATIO", 0)
@@ -305,13 +305,13 @@ class CountingMixin:
 def test_composes_with_a_subclass_mixin_on_the_experts(wrapped_first):
     x, ids, weights, valid = routing()
     plain = make_experts(True)
-    apply_fp8_training_(nn.ModuleList([plain]))
+    apply_fp8_matmuls_(nn.ModuleList([plain]))
     ex = make_experts(True)
     if wrapped_first:
         ex.__class__ = type("EPExperts", (CountingMixin, Experts), {})
-        apply_fp8_training_(nn.ModuleList([ex]))
+        apply_fp8_matmuls_(nn.ModuleList([ex]))
     else:
-        apply_fp8_training_(nn.ModuleList([ex]))
+        apply_fp8_matmuls_(nn.ModuleList([ex]))
         ex.__class__ = type("EPExperts", (CountingMixin, type(ex)), {})
     assert isinstance(ex, Fp8Experts) and isinstance(ex, CountingMixin)
     assert torch.equal(ex(x, ids, weights, valid), plain(x, ids, weights, valid)) and ex.calls == 1
@@ -342,14 +342,14 @@ def test_trainer_fp8_weights_are_the_fp8_inference_weights(name):
     engine = copy.deepcopy(model)
     fp8_round_trip_(engine)
     trainer = copy.deepcopy(model)
-    apply_fp8_training_(trainer, activations=False)
+    apply_fp8_matmuls_(trainer, activations=False)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     args = (ids, torch.arange(40).expand(2, 40), torch.tensor([40, 29]))
     # grad mode on: under no_grad MLA stacks q_a/kv_a weights itself (one matmul) and
     # bypasses the modules, which the trainer never does
     assert torch.equal(trainer(*args).logits, engine(*args).logits)
 
-    apply_fp8_training_(trainer)  # activations too
+    apply_fp8_matmuls_(trainer)  # activations too
     served = dict(engine.named_modules())
     for n, m in trainer.named_modules():
         if isinstance(m, Fp8Linear):
@@ -360,7 +360,7 @@ def test_trainer_fp8_weights_are_the_fp8_inference_weights(name):
 def test_a_few_fp8_steps_reduce_the_loss():
     torch.manual_seed(0)
     model = build("qwen3-moe")
-    apply_fp8_training_(model)
+    apply_fp8_matmuls_(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(3))
     args = (ids, torch.arange(32).expand(4, 32), torch.full((4,), 32))

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from primerl import hookimpl, registry
+from primerl.advantages import compute_advantages, grpo, grpo_std
 from primerl.config import TrainerConfig
 from primerl.errors import PluginError
 from primerl.registry import Registry
-from primerl.trainer.loss import compute_advantages, default_loss, get_loss, grpo, grpo_std
+from primerl.trainer.loss import default_loss, get_loss
 
 # (p_train, p_infer, advantage, loss_mask) with mask_threshold 0.2:
 ROWS = [
@@ -137,7 +138,7 @@ def test_a_plugin_registers_a_loss_and_an_advantage(with_plugin):
 
 
 def test_custom_by_module_attr_and_errors():
-    assert compute_advantages([1.0, 3.0], "primerl.trainer.loss:grpo") == [-1.0, 1.0]
+    assert compute_advantages([1.0, 3.0], "primerl.advantages:grpo") == [-1.0, 1.0]
     assert get_loss("primerl.trainer.loss:default_loss") is default_loss
     with pytest.raises(PluginError, match="orchestrator.advantage: no advantage named 'rloo'. Available: grpo, grpo_std"):
         compute_advantages([1.0], "rloo")
@@ -147,6 +148,8 @@ def test_custom_by_module_attr_and_errors():
         get_loss("primerl.trainer.loss:__doc__")
 
 
-def test_loss_module_imports_no_torch():
-    code = "import sys, primerl.trainer.loss as l; l.compute_advantages([1.0, 0.0]); assert 'torch' not in sys.modules"
+def test_advantages_and_the_loss_module_import_no_torch():
+    """The orchestrator computes advantages without torch; the loss module loads it lazily."""
+    code = ("import sys, primerl.advantages as a, primerl.trainer.loss; a.compute_advantages([1.0, 0.0]); "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

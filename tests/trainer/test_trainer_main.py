@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from primerl.advantages import compute_advantages
 from primerl.config import ConfigSources, load_config
 from primerl.envs.multiturn import prompt_ids
 from primerl.rundir import STABLE, TRAINER_STATE, RunDir
 from primerl.samples import RolloutBatch, Sample, write_batch
 from primerl.sampling import token_logprobs
 from primerl.trainer import main as trainer
-from primerl.trainer.loss import compute_advantages
 from primerl.trainer.optim import lr_factor
 from primerl.trainer.publish import prune_weights
 from primerl.trainer.sft import sft_samples

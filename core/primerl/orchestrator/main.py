@@ -61,13 +61,14 @@ from typing import Any
 
 import attrs
 
+from primerl.advantages import compute_advantages
 from primerl.config import RunConfig
 from primerl.envs import Environment, Task, TaskError
 from primerl.envs.agent import AgentEnv, Endpoint, interleave
 from primerl.envs.multiturn import MultiTurnConfig, MultiTurnEnv, prompt_ids, turn_suffix
 from primerl.envs.workers import EnvWorkers
 from primerl.errors import PrimerlError
-from primerl.inference import RoutedExperts
+from primerl.inference import RoutedExperts, inference_urls
 from primerl.orchestrator.client import InferenceClient, inference_client
 from primerl.registry import get_registry
 from primerl.resume import usable_checkpoint
@@ -510,8 +511,6 @@ class Orchestrator:
 
     # ---- batches --------------------------------------------------------------------------
     async def write_batches(self) -> None:
-        from primerl.trainer.loss import compute_advantages
-
         last = time.monotonic()
         for n in range(self.resume_step + 1, self.cfg.max_steps + 1):
             groups: list[Group] = []
@@ -624,18 +623,6 @@ class Orchestrator:
             self.scorer.shutdown(wait=False, cancel_futures=True)
             if self.workers is not None:
                 self.workers.close()
-
-
-def inference_urls(cfg: RunConfig) -> list[str]:
-    """The inference servers' base URLs: ``inference.urls`` when set (the local launcher
-    writes the ports it picked there), else replica i on ``inference.host:inference.port + i``."""
-    inf = cfg.inference
-    if inf.urls:
-        return [u.rstrip("/") for u in inf.urls]
-    if inf.prefill_replicas:  # prefill/decode pools: every server, prefill first
-        prefill, decode = inf.pd_urls()
-        return prefill + decode
-    return [f"http://{inf.host}:{inf.port + i}" for i in range(inf.replicas)]
 
 
 def main(cfg: RunConfig) -> None:

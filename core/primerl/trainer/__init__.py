@@ -1,7 +1,7 @@
 """The trainer: packs rollout batches, computes the RL loss, steps the optimizer, publishes weights.
 
 * :mod:`primerl.trainer.packing` - samples into segment-isolated rows (no padding waste);
-* :mod:`primerl.trainer.loss` - losses and advantage estimators by registered name (light import);
+* :mod:`primerl.trainer.loss` - losses by registered name (light import);
 * :mod:`primerl.trainer.optim` - AdamW and the learning-rate schedule;
 * :mod:`primerl.trainer.step` - one RL optimizer step over packed rows (routing metrics,
   MoE router balancing);
@@ -10,8 +10,7 @@
 * :mod:`primerl.trainer.metrics` - ``metrics.jsonl``;
 * :mod:`primerl.trainer.main` - the process: ``main(cfg)``, started as ``primerl trainer``.
 
-Importing this package imports nothing heavy; the orchestrator uses
-``primerl.trainer.loss.compute_advantages`` without torch.
+Importing this package imports nothing heavy.
 """
 
 

@@ -1,14 +1,11 @@
-"""RL losses and advantage estimators: the built-ins, the contracts, and lookup by name.
+"""RL losses: the built-in, the contract, and lookup by name.
 
-What: ``trainer.loss`` and ``orchestrator.advantage`` name a component registered by a
-plugin through the ``register_losses`` / ``register_advantages`` hooks, like every other
-component (the core's own plugin, :mod:`primerl.builtin_plugin`, registers ``default``,
-``grpo`` and ``grpo_std``). A config may also name any importable function as
-``"module:attr"`` (``--trainer.loss my_pkg.losses:clipped``), so trying an objective
-needs neither a fork nor a plugin.
-
-Why this module is light: the orchestrator imports :func:`compute_advantages` and must
-not pay for torch, so torch is imported only inside the loss functions.
+What: ``trainer.loss`` names a component registered by a plugin through the
+``register_losses`` hook, like every other component (the core's own plugin,
+:mod:`primerl.builtin_plugin`, registers ``default``). A config may also name any
+importable function as ``"module:attr"`` (``--trainer.loss my_pkg.losses:clipped``), so
+trying an objective needs neither a fork nor a plugin. Advantage estimators, which the
+orchestrator runs, live in :mod:`primerl.advantages`.
 
 The loss contract (:class:`LossFn`, what a custom ``trainer.loss`` implements)::
 
@@ -22,18 +19,14 @@ The loss contract (:class:`LossFn`, what a custom ``trainer.loss`` implements)::
 * ``loss``: a scalar already divided by ``normalizer``;
 * ``metrics``: dict of *token sums* over this call's loss tokens (scalar tensors or
   floats); the trainer adds them over rows and divides by the step's loss tokens.
-
-The advantage contract (:data:`AdvantageFn`): ``fn(rewards: list[float]) -> list[float]``
-for one group (one value per reward, same order).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from primerl.errors import PluginError
+from primerl.registry import resolve_component
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -107,62 +100,10 @@ def default_loss(
 
 
 # --------------------------------------------------------------------------------------
-# Advantages (pure Python: the orchestrator uses them without torch)
-# --------------------------------------------------------------------------------------
-
-
-def grpo(rewards: list[float]) -> list[float]:
-    """Reward minus the group mean (Dr. GRPO: no division by the std)."""
-    mean = sum(rewards) / len(rewards)
-    return [r - mean for r in rewards]
-
-
-def grpo_std(rewards: list[float]) -> list[float]:
-    """(reward - group mean) / (group std + 1e-6), std over the group (population, ddof=0)."""
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-    return [(r - mean) / (std + 1e-6) for r in rewards]
-
-
-# --------------------------------------------------------------------------------------
 # Lookup by name
 # --------------------------------------------------------------------------------------
 
 
-def resolve(kind: str, name: str, config_key: str) -> Callable:
-    """The component of ``kind`` registered as ``name`` (or ``PLUGIN:NAME``), else the
-    function a ``"module:attr"`` string names. Errors list what is registered."""
-    from primerl.registry import get_registry, is_target, load_target
-
-    try:
-        return get_registry().load(kind, name)
-    except PluginError as exc:
-        if not is_target(name):
-            raise PluginError(f"{config_key}: {exc} Or give a function as 'module:attr'.") from None
-        not_registered = exc
-    try:
-        obj = load_target(name)
-    except (ImportError, AttributeError) as exc:
-        raise PluginError(
-            f"{config_key} {name!r} could not be loaded as 'module:attr' ({type(exc).__name__}: {exc}), "
-            f"nor is it a registered {kind}: {not_registered}"
-        ) from None
-    if not callable(obj):
-        raise PluginError(f"{config_key} {name!r} is not callable")
-    return obj
-
-
 def get_loss(name: str) -> LossFn:
     """The loss ``trainer.loss`` names: a registered loss or a ``"module:attr"`` function."""
-    return resolve("loss", name, "trainer.loss")
-
-
-def compute_advantages(rewards: list[float], name: str = "grpo") -> list[float]:
-    """Advantages of one group of rollouts (same prompt), by estimator name."""
-    rewards = [float(r) for r in rewards]
-    if not rewards:
-        return []
-    out = [float(a) for a in resolve("advantage", name, "orchestrator.advantage")(rewards)]
-    if len(out) != len(rewards):
-        raise ValueError(f"advantage {name!r} returned {len(out)} values for {len(rewards)} rewards")
-    return out
+    return resolve_component("loss", name, "trainer.loss")

@@ -96,7 +96,7 @@ def load_parallelism(name: str) -> Parallelism:
 
 def weight_sender(cfg: RunConfig) -> Any:
     """The nccl channel's sender, from the inference backend (``primerl.inference.WeightSender``)."""
-    from primerl.orchestrator.main import inference_urls
+    from primerl.inference import inference_urls
     from primerl.registry import get_registry
 
     backend = get_registry().load("inference_backend", cfg.inference.backend)
@@ -147,9 +147,9 @@ def main(cfg: RunConfig) -> None:
             f"{n_params / 1e6:.2f}M parameters, float32 master weights on {device}, "
             f"{t.resolved_precision()} compute")
         if t.fp8:
-            from primerl.trainer.fp8 import apply_fp8_training_
+            from primerl.models.fp8_matmul import apply_fp8_matmuls_
 
-            log(f"fp8: block-scaled FP8 matmuls in {len(apply_fp8_training_(model))} modules")
+            log(f"fp8: block-scaled FP8 matmuls in {len(apply_fp8_matmuls_(model))} modules")
         resume = usable_checkpoint(run, log=log)
         if resume is not None:  # into the full model, before it is sharded: any layout resumes any other
             try:

@@ -11,10 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from primerl.config import RunConfig
+from primerl_embedded.config import EmbeddedConfig
 
 
 class EmbeddedBackend:
     """Serves the selected model plugin with primerl's own engine (an ``InferenceBackend``)."""
+
+    Config = EmbeddedConfig
 
     def build(self, cfg: RunConfig) -> tuple[Any, Any, Any]:
         """(engine, tokenizer, adapter) for ``cfg``; the engine is not started."""
@@ -31,9 +34,9 @@ class EmbeddedBackend:
             model_cfg = attrs.evolve(model_cfg, dtype=cfg.inference.dtype)
         model = adapter.build(model_cfg, device=cfg.inference.resolved_device())
         if cfg.trainer.fp8:  # the trainer's block-scaled FP8 matmuls here too: both sides compute the same numbers
-            from primerl.trainer.fp8 import apply_fp8_training_
+            from primerl.models.fp8_matmul import apply_fp8_matmuls_
 
-            apply_fp8_training_(model)
+            apply_fp8_matmuls_(model)
         tokenizer = adapter.tokenizer(model_cfg)
         layout = adapter.moe_layout(model_cfg)
         eos = tokenizer.eos_token_id

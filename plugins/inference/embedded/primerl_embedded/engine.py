@@ -184,7 +184,7 @@ class Engine:
         self.kv_store.bind(self.slots)
         self.handoff = KVHandoff(kv_store)  # prefill/decode disaggregation's use of the store
         # a store that publishes KV under the current version's keys never gets KV of two policies
-        self._current_kv_only = bool(getattr(kv_store, "current_weights_only", False))
+        self._current_kv_only = kv_store.current_weights_only
         # recurrent layers (Mamba) keep a state only at a slot's full length: no prefix to reuse
         self.prefix_reuse = getattr(self.cache, "supports_prefix_reuse", True)
         self.waiting: deque[Sequence] = deque()

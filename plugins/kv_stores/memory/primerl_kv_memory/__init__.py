@@ -1,1 +1,1 @@
-"""The ``memory`` KV store (see :mod:`primerl_kv_memory.store`)."""
+"""The ``memory`` KV store (implemented in the core, :mod:`primerl.kv_memory`: the disk and mooncake stores build on it)."""

@@ -7,6 +7,6 @@ from primerl import hookimpl
 def register_kv_stores(register):
     register(
         "memory",
-        "primerl_kv_memory.store:MemoryStore",
+        "primerl.kv_memory:MemoryStore",
         description="Idle prefixes kept in the engine's free KV slots, least recently used evicted first",
     )

@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from primerl.children import own_group_and_die_with_parent
 from primerl_kv_mooncake.install import MooncakeUnavailable, master_binary, missing_library_fix
@@ -157,6 +158,9 @@ class MooncakeMaster:
         except OSError:
             return ""
 
+    def describe(self) -> str:
+        return f"Mooncake master at {self.address} (log: {self.log})"
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the master and its process group (SIGTERM, then SIGKILL)."""
         if self.proc is None or self.proc.poll() is not None:
@@ -175,6 +179,14 @@ class MooncakeMaster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def run_service(cfg: Any, run_dir: Any, env: dict[str, str]) -> MooncakeMaster | None:
+    """The store's run service (:class:`primerl.kv_stores.KVStoreCapabilities`): a master for
+    the run, logging to ``logs/mooncake.log``, unless ``env`` names one already."""
+    if env.get(ENV_MASTER):
+        return None
+    return MooncakeMaster(log=run_dir.logs / "mooncake.log").start()
 
 
 def start_master(host: str = "127.0.0.1", **kwargs) -> MooncakeMaster:

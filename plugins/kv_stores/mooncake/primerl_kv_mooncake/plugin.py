@@ -2,6 +2,7 @@
 when the store is built)."""
 
 from primerl import hookimpl
+from primerl.kv_stores import KVStoreCapabilities
 
 
 @hookimpl
@@ -10,4 +11,6 @@ def register_kv_stores(register):
         "mooncake",
         "primerl_kv_mooncake.store:MooncakeStore",
         description="KV blocks in a Mooncake Store pool shared by every inference server; idle prefixes in free slots",
+        capabilities=KVStoreCapabilities(shares_across_processes=True,
+                                          run_service="primerl_kv_mooncake.master:run_service"),
     )

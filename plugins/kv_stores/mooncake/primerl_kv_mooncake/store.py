@@ -45,8 +45,7 @@ import urllib.parse
 import weakref
 from collections.abc import Sequence
 
-from primerl_kv_memory.store import MemoryStore
-
+from primerl.kv_memory import MemoryStore
 from primerl.kv_stores import KVBlock, TieredKVStore, decode_block, encode_block, env_int
 from primerl_kv_mooncake.install import MooncakeUnavailable, import_store
 from primerl_kv_mooncake.master import ENV_MASTER, ENV_METADATA

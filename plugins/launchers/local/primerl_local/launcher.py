@@ -25,9 +25,13 @@ Prefill/decode: ``inference.prefill_replicas`` P and ``decode_replicas`` D (both
 P servers ``inference-prefill-<i>`` and D servers ``inference-decode-<j>`` instead, each with
 ``--inference.role`` after its port; their URLs go into the config as
 ``inference.prefill_urls`` and ``decode_urls`` (``inference.urls``: all of them, prefill
-first). With ``inference.kv_store = "disk"`` they share one block directory, the run's
-``kv/`` (``PRIMERL_KV_DISK_DIR`` and ``PRIMERL_KV_DISK_SHARED=1`` in their environment,
-unless already set), through which prefill servers hand prompts' KV to decode servers.
+first).
+
+The KV store's run service, when it declares one
+(:class:`primerl.kv_stores.KVStoreCapabilities`), starts before the servers and stops
+after them: Mooncake's master for ``mooncake``; for ``disk`` under prefill/decode, one block
+directory for every server, the run's ``kv/``, through which prefill servers hand prompts'
+KV to decode servers. What it needs reaching is in every child's environment.
 
 No orphans, whatever happens: each child runs in its own process group (so its own
 children go with it) and asks the kernel to SIGTERM it if the launcher dies. On Ctrl-C,
@@ -43,7 +47,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -53,26 +56,13 @@ from typing import Any
 from primerl.children import own_group_and_die_with_parent
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
+from primerl.launchers import pick_ports
 from primerl.resume import prepare_run
 from primerl.rundir import RunDir
+from primerl.runview import summarize
 
 CHILDREN = ("inference", "orchestrator", "trainer")  # kinds of child; inference may be N replicas
 GRACE_SECONDS = 10.0
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except (OSError, OverflowError):
-            return False
 
 
 def inference_names(cfg: RunConfig) -> list[str]:
@@ -106,17 +96,6 @@ def set_inference_urls(cfg: RunConfig, ports: list[int]) -> None:
         inf.prefill_urls, inf.decode_urls = inf.urls[: inf.prefill_replicas], inf.urls[inf.prefill_replicas:]
 
 
-def pick_ports(host: str, first: int, n: int) -> list[int]:
-    """``n`` distinct free ports: ``first + i`` where free (``first`` 0: any), else a free one."""
-    ports: list[int] = []
-    for i in range(n):
-        port = first + i if first else 0
-        while port == 0 or port in ports or not _port_free(host, port):
-            port = _free_port(host)
-        ports.append(port)
-    return ports
-
-
 def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None = None,
                   role: str | None = None) -> list[str]:
     """``primerl <name> @ config.toml`` (an inference replica: ``--inference.port port`` after
@@ -134,28 +113,25 @@ def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None =
     return [sys.executable, *cmd]
 
 
-def start_mooncake_master(cfg: RunConfig, run_dir: RunDir, env: dict[str, str]) -> Any:
-    """With ``inference.kv_store = "mooncake"`` and no master named in the environment
-    (``PRIMERL_MOONCAKE_MASTER``), start one for the run (its log: ``logs/mooncake.log``) and
-    put its address in ``env``, which every child gets; the caller stops it. None otherwise."""
-    if cfg.inference.kv_store != "mooncake" or env.get("PRIMERL_MOONCAKE_MASTER"):
-        return None
-    try:
-        from primerl_kv_mooncake.master import MooncakeMaster
-    except ImportError:
-        raise PrimerlError("inference.kv_store = 'mooncake' needs the mooncake KV store plugin: "
-                           "pip install -e plugins/kv_stores/mooncake") from None
-    master = MooncakeMaster(log=run_dir.logs / "mooncake.log").start()
-    env.update(master.env())
-    print(f"Mooncake master at {master.address} (log: {master.log})", flush=True)
-    return master
+def start_run_service(cfg: RunConfig, run_dir: RunDir, env: dict[str, str]) -> Any:
+    """What the run's KV store needs set up once before its servers start (its declared
+    ``run_service``: Mooncake's master, the disk store's shared folder under prefill/decode),
+    started and its settings put in ``env``, which every child gets; the caller stops it.
+    None when the store declares none or the run needs none."""
+    from primerl.registry import get_registry, load_target
+
+    target = get_registry().capabilities("kv_store", cfg.inference.kv_store).run_service
+    service = load_target(target)(cfg, run_dir, env) if target else None
+    if service is not None:
+        env.update(service.env())
+        said = service.describe()
+        if said:
+            print(said, flush=True)
+    return service
 
 
-def child_env(name: str, cfg: RunConfig, env: dict[str, str], run_dir: RunDir | None = None) -> dict[str, str]:
-    """The trainer's ranks share its share of the cores; so do the inference servers. With
-    prefill/decode and the disk KV store, the servers share ``run_dir``'s ``kv/``."""
-    if name == "inference" and cfg.inference.disaggregated() and cfg.inference.kv_store == "disk" and run_dir:
-        env = {"PRIMERL_KV_DISK_DIR": str(run_dir.root / "kv"), "PRIMERL_KV_DISK_SHARED": "1", **env}
+def child_env(name: str, cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
+    """The trainer's ranks share its share of the cores; so do the inference servers."""
     split = {"trainer": cfg.trainer.nproc, "inference": len(inference_names(cfg))}.get(name, 1)
     if split == 1:
         return env
@@ -195,12 +171,12 @@ class LocalLauncher:
             raise Interrupted(signal.Signals(signum).name)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        from primerl_local.view import LiveView
+        from primerl.runview import LiveView
 
         view = LiveView(cfg, run_dir)
-        master = None
+        service = None
         try:
-            master = start_mooncake_master(cfg, run_dir, env)
+            service = start_run_service(cfg, run_dir, env)
             children = [(name, "inference", port, role)
                         for name, port, role in zip(names, ports, inference_roles(cfg))]
             children += [(kind, kind, None, None) for kind in CHILDREN if kind != "inference"]
@@ -211,7 +187,7 @@ class LocalLauncher:
                 log = open(run_dir.log(name), mode)  # noqa: SIM115 - the child keeps it as its stdout
                 procs[name] = subprocess.Popen(
                     child_command(kind, cfg, run_dir, port, role), stdout=log, stderr=subprocess.STDOUT,
-                    env=child_env(kind, cfg, env, run_dir), preexec_fn=own_group_and_die_with_parent,
+                    env=child_env(kind, cfg, env), preexec_fn=own_group_and_die_with_parent,
                     cwd=os.getcwd(),
                 )
 
@@ -267,8 +243,8 @@ class LocalLauncher:
             return 130
         finally:
             self._stop_all(procs)
-            if master is not None:
-                master.stop()
+            if service is not None:
+                service.stop()
             for s, h in old.items():
                 signal.signal(s, h)
         summarize(run_dir)
@@ -303,27 +279,3 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def summarize(run_dir: RunDir, *, logs_note: str = "", extra: tuple[tuple[str, object], ...] = ()) -> None:
-    """What a finished run made: the reward's first and last 10 steps, and where things are
-    (``extra``: more ``(label, path)`` lines, e.g. a Slurm job's scripts)."""
-    from primerl_local.view import plot_rewards, read_metrics
-
-    rows = read_metrics(run_dir.metrics)
-    png = plot_rewards(rows, run_dir.reward_plot) if rows else None
-    print()
-    if rows:
-        first = [r["reward/mean"] for r in rows[:10]]
-        last = [r["reward/mean"] for r in rows[-10:]]
-        print(f"reward: first 10 steps {sum(first) / len(first):.3f} -> last 10 steps {sum(last) / len(last):.3f}")
-    print(f"run directory:  {run_dir.root}")
-    print(f"  metrics:      {run_dir.metrics}")
-    if png:
-        print(f"  reward curve: {png}")
-    print(f"  weights:      {run_dir.weights}")
-    print(f"  checkpoints:  {run_dir.checkpoints}")
-    print(f"  rollouts:     {run_dir.rollouts}")
-    print(f"  logs:         {run_dir.logs}{logs_note}")
-    for label, path in extra:
-        print(f"  {label + ':':<14}{path}")

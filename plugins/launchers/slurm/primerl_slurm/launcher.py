@@ -6,7 +6,7 @@
 job (``OUT/slurm/primerl.sbatch`` plus one script per role, see ``scripts.py``), submit it
 with ``sbatch`` (unless ``--dry-run`` / ``launcher.dry_run``: then we stop after writing),
 follow it with ``squeue`` (``scontrol``/``sacct`` once it has left the queue), show the
-local launcher's live view (``primerl_local.view.LiveView``: it reads ``metrics.jsonl``,
+local launcher's live view (``primerl.runview.LiveView``: it reads ``metrics.jsonl``,
 which lands in the run directory wherever the trainer runs), and ``scancel`` the job on
 Ctrl-C or SIGTERM. The run's exit code is the job's: 0 when the trainer finished its last
 step; otherwise the failing role's code, and the cause from that role's log.
@@ -41,12 +41,12 @@ import time
 from pathlib import Path
 
 import attrs
-from primerl_local.launcher import summarize
 
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
 from primerl.resume import prepare_run
 from primerl.rundir import RunDir
+from primerl.runview import summarize
 from primerl_slurm.config import SlurmConfig
 from primerl_slurm.scripts import BATCH, layout, write_scripts
 
@@ -126,7 +126,7 @@ class SlurmLauncher:
     # ----------------------------------------------------------------------------------
 
     def _follow(self, cfg: RunConfig, run_dir: RunDir, job: str) -> int:
-        from primerl_local.view import LiveView
+        from primerl.runview import LiveView
 
         def on_signal(signum, _frame):
             raise Interrupted(signal.Signals(signum).name)

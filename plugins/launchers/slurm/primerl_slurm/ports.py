@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from primerl_local.launcher import pick_ports
+from primerl.launchers import pick_ports
 
 if __name__ == "__main__":
     host, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -1,4 +1,4 @@
-"""Block-scaled FP8 training, the DeepSeek-V3 recipe (``trainer.fp8``).
+"""Block-scaled FP8 matmuls, the DeepSeek-V3 recipe (``trainer.fp8``): the trainer's, and the engine's beside it.
 
 What is quantized, all to float8 e4m3 with one float32 scale per block or tile
 (``scale = amax / 448``, the value dequantises as ``q * scale``):
@@ -25,7 +25,7 @@ that are not multiples of 128 (the tiny presets' 64-wide projections, MLA's 576-
 ``kv_a_proj_with_mqa``) quantize their last partial block or tile on its own (as if
 zero-padded, which changes no scale).
 
-How: :func:`apply_fp8_training_` swaps the class of every eligible ``nn.Linear`` to
+How: :func:`apply_fp8_matmuls_` swaps the class of every eligible ``nn.Linear`` to
 :class:`Fp8Linear` and of every :class:`~primerl.models.layers.Experts` to
 :class:`Fp8Experts` (subclasses; parameter names, shapes and dtypes unchanged, so HF
 checkpoints, publishing and optimizer state are untouched, and a dynamic subclass that
@@ -350,7 +350,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, activat
 class Fp8Linear(nn.Linear):
     """An ``nn.Linear`` whose matmul is block-scaled FP8 (:func:`fp8_linear`); its float32
     ``weight`` and ``bias`` are the master copies the optimizer updates. Made by
-    :func:`apply_fp8_training_` (class swap), never constructed."""
+    :func:`apply_fp8_matmuls_` (class swap), never constructed."""
 
     fp8_activations: bool = True
 
@@ -364,7 +364,7 @@ class Fp8Experts(Experts):
     per-expert loop and the dense path. Each expert's weights are quantized in their own
     128 x 128 blocks (as ``quantize_blockwise`` does on the 3D tensors, so exactly the FP8
     inference weights), and the activations in 1 x 128 tiles that never straddle two
-    experts. Made by :func:`apply_fp8_training_` (class swap), never constructed."""
+    experts. Made by :func:`apply_fp8_matmuls_` (class swap), never constructed."""
 
     fp8_activations: bool = True
 
@@ -408,7 +408,7 @@ def _eligible_linear(name: str, module: nn.Module, tied: set[int]) -> bool:
             and name.split(".")[-1] not in ("lm_head", "gate") and id(module.weight) not in tied)
 
 
-def apply_fp8_training_(model: nn.Module, *, activations: bool = True) -> list[str]:
+def apply_fp8_matmuls_(model: nn.Module, *, activations: bool = True) -> list[str]:
     """Make ``model`` train with block-scaled FP8 GEMMs, in place: every eligible
     ``nn.Linear`` becomes :class:`Fp8Linear` and every ``Experts`` :class:`Fp8Experts`
     (class swap: parameter names, shapes, dtypes and values unchanged). Routers, norms,

@@ -1,5 +1,9 @@
 """The ``memory`` KV store: idle prefixes stay in the engine's free KV slots, LRU.
 
+It lives in the core because every store builds on it: the ``disk`` and ``mooncake``
+stores keep it as their first tier (:class:`primerl.kv_stores.TieredKVStore`), and the
+``memory`` plugin registers it as it is.
+
 A finished sequence's slot already holds the KV of everything it ran; keeping it costs
 nothing but the slot. So this store keeps finished slots as they are, serves the longest
 matching one to a new sequence (handing the slot over when the sequence lands in it,
@@ -47,6 +51,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class MemoryStore:
     """Idle prefixes kept in the engine's free KV slots, least recently used evicted first."""
+
+    current_weights_only = False  # a prefix that ran across a weight update is kept, as vLLM's prefix cache does
 
     def __init__(self) -> None:
         self.pool: SlotPool | None = None

@@ -1,4 +1,5 @@
-"""The live view of a run (rich) and the reward plot drawn at the end (matplotlib)."""
+"""What a launcher shows of a run: the live view (rich), the reward plot drawn at the end
+(matplotlib) and the closing summary. Shared by every launcher (local, slurm)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,25 @@ def plot_rewards(rows: list[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def summarize(run_dir: RunDir, *, logs_note: str = "", extra: tuple[tuple[str, object], ...] = ()) -> None:
+    """What a finished run made: the reward's first and last 10 steps, and where things are
+    (``extra``: more ``(label, path)`` lines, e.g. a Slurm job's scripts)."""
+    rows = read_metrics(run_dir.metrics)
+    png = plot_rewards(rows, run_dir.reward_plot) if rows else None
+    print()
+    if rows:
+        first = [r["reward/mean"] for r in rows[:10]]
+        last = [r["reward/mean"] for r in rows[-10:]]
+        print(f"reward: first 10 steps {sum(first) / len(first):.3f} -> last 10 steps {sum(last) / len(last):.3f}")
+    print(f"run directory:  {run_dir.root}")
+    print(f"  metrics:      {run_dir.metrics}")
+    if png:
+        print(f"  reward curve: {png}")
+    print(f"  weights:      {run_dir.weights}")
+    print(f"  checkpoints:  {run_dir.checkpoints}")
+    print(f"  rollouts:     {run_dir.rollouts}")
+    print(f"  logs:         {run_dir.logs}{logs_note}")
+    for label, path in extra:
+        print(f"  {label + ':':<14}{path}")
