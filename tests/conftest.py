@@ -62,15 +62,28 @@ def _make_broken_plugin(root):
     """))
 
 
+def layered_venv(root: Path) -> Path:
+    """A virtual environment at ``root`` that sees this interpreter's packages after its own
+    (a ``.pth`` adding this interpreter's site directories), however this interpreter was
+    installed: system-wide, or itself in a venv (``--system-site-packages`` would see only
+    the base interpreter's). No pip of its own: the outer pip installs into it
+    (``--python``). Returns its python."""
+    import site
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    dirs = [d for d in [*site.getsitepackages(), site.getusersitepackages()] if os.path.isdir(d)]
+    purelib = subprocess.run([str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "~layer.pth").write_text("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs) + "\n")
+    return root / "bin" / "python"
+
+
 @pytest.fixture(scope="session")
 def venv(tmp_path_factory):
-    """A venv seeing the system packages, plus the example plugin and a broken one, pip-installed."""
+    """A venv layered over this environment (primerl and its built-in plugins), plus the example
+    plugin and a broken one, pip-installed into it."""
     root = tmp_path_factory.mktemp("plugins")
-    env_dir = root / "venv"
-    # no pip of its own: the outer pip installs into it (--python), with the outer setuptools
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(env_dir)],
-                   check=True)
-    py = env_dir / "bin" / "python"
+    py = layered_venv(root / "venv")
     broken = root / "broken"
     _make_broken_plugin(broken)
     subprocess.run(

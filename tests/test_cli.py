@@ -7,11 +7,18 @@ import sys
 from conftest import run_cli
 
 
-def test_help_lists_the_process_commands():
-    r = run_cli("--help")
+def test_help_lists_the_process_commands_in_whole_sentences():
+    r = run_cli("--help", env={"COLUMNS": "300"})
     assert r.returncode == 0
-    for cmd in ("run", "inference", "trainer", "orchestrator", "plugins"):
-        assert cmd in r.stdout
+    lines = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith("│ ") and len(line.split()) > 2}
+    assert set(lines) >= {"run", "inference", "trainer", "orchestrator", "plugins", "env", "models", "plan"}
+    # a docstring's line breaks do not break the help mid-sentence: the terminal wraps it
+    assert "as separate processes. Run again into the same --output-dir, the same command resumes" in lines["run"]
+
+
+def test_plugin_descriptions_are_shown_as_written():
+    r = run_cli("plugins", "list", env={"COLUMNS": "300"})
+    assert "context parallel over cp ([trainer.parallel])" in r.stdout  # brackets are text, not markup
 
 
 KINDS = ("model", "env", "router", "kv_store", "parallelism", "inference_backend", "launcher", "loss", "advantage")

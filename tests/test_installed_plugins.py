@@ -1,6 +1,6 @@
 """Discovery from real installed distributions: pip-install plugins into a fresh environment.
 
-A virtual environment that sees the system's packages (primerl and its built-in plugins)
+A virtual environment layered over this one (it sees primerl and its built-in plugins)
 gets two more distributions installed with pip: the example third-party plugin, and a
 plugin whose module fails to import. Both must show in ``primerl plugins list --json``.
 """

@@ -69,3 +69,72 @@ def test_the_check_sees_what_it_checks(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("import primerl_a\nfrom primerl.trainer import loss\n\ndef f():\n    from primerl_b.x import y\n")
     assert imports(f) == [(1, "primerl_a"), (2, "primerl.trainer"), (5, "primerl_b.x")]
+
+
+# What a plugin offers is declared (its kind's Protocol, or the capabilities record it registers
+# with), never found by probing: these are the members the core and the plugins rely on.
+DECLARED = {"servers_up", "headers", "weight_sender", "current_weights_only", "supports_prefix_reuse", "on_evict",
+            "shared", "blocks", "dry_run", "trainer_nodes", "run_defaults", "routed_experts_on", "resolved_api_key",
+            "episode_timeout_s", "close", "disaggregated", "router_options", "vllm_port", "role", "handoff_blocks"}
+# config keys whose value names a plugin (``inference.backend = "vllm"``)
+SELECTING = ("backend", "router", "kv_store", "parallelism", "resolved_parallelism", "launcher", "loss", "advantage")
+
+
+def _where(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def probes(path: Path) -> list[str]:
+    """getattr/hasattr calls naming a declared member."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in DECLARED):
+            out.append(f"{_where(path)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+    return out
+
+
+def plugin_names() -> set[str]:
+    """The names the built-in plugins register."""
+    import re
+
+    names = set()
+    for path in PLUGINS.glob("*/*/primerl_*/plugin.py"):
+        names |= set(re.findall(r'register\(\s*"([^"]+)"', path.read_text()))
+    return names | {"default", "grpo", "grpo_std"}  # the core's own plugin
+
+
+def name_compares(path: Path, names: set[str]) -> list[str]:
+    """Comparisons of a plugin-selecting config value with a built-in plugin's name."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        text = " ".join(ast.unparse(o) for o in operands)
+        if not any(f".{key}" in text or f"{key}(" in text for key in SELECTING):
+            continue
+        for o in operands:
+            elts = o.elts if isinstance(o, ast.Tuple | ast.List | ast.Set) else [o]
+            hit = [e.value for e in elts if isinstance(e, ast.Constant) and e.value in names]
+            if hit:
+                out.append(f"{_where(path)}:{node.lineno} {ast.unparse(node)}")
+    return out
+
+
+def test_no_declared_capability_is_probed_by_name():
+    paths = sorted(CORE.rglob("*.py")) + sorted(f for p in plugin_packages().values() for f in p.rglob("*.py"))
+    assert [hit for path in paths for hit in probes(path)] == []
+
+
+def test_the_core_compares_no_built_in_plugin_name():
+    names = plugin_names()
+    assert {"vllm", "local", "slurm", "memory", "fsdp"} <= names
+    assert [hit for path in sorted(CORE.rglob("*.py")) for hit in name_compares(path, names)] == []
+
+
+def test_the_seam_checks_see_what_they_check(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('if cfg.inference.backend == "vllm" or t.resolved_parallelism() in ("fsdp",):\n'
+                 '    x = getattr(router, "servers_up", None)\n')
+    assert len(name_compares(f, {"vllm", "fsdp"})) == 2 and len(probes(f)) == 1

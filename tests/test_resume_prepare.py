@@ -104,7 +104,7 @@ def test_another_config_is_refused_in_one_line_and_nothing_moves(tmp_path):
 
 def test_a_finished_run_is_refused_unless_max_steps_is_raised(tmp_path):
     run = unfinished(tmp_path, done=(2, 4, 6))
-    with pytest.raises(PrimerlError, match="already holds a finished run"):
+    with pytest.raises(PrimerlError, match="already holds this run, finished"):
         prepare_run(cfg_for(run.root, max_steps=6))
     assert prepare_run(cfg_for(run.root, max_steps=8)).step == 6
 
@@ -139,7 +139,7 @@ def test_a_batch_script_prepares_with_the_recorded_config_and_keeps_its_own_log(
     fake_checkpoint(run, 10)
     r = subprocess.run([sys.executable, "-m", "primerl.resume", str(run.root)], capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and "finished run" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "already holds this run, finished" in r.stderr
 
 
 def test_overwrite_moves_everything_aside(tmp_path):

@@ -69,7 +69,7 @@ def plugins_list(
     table.add_column("description", overflow="fold")
     for r in rows:
         status = "[green]ok[/]" if r["status"] == "ok" else "[red]error[/]"
-        desc = r["description"] if r["status"] == "ok" else f"[red]{r['error']}[/]"
+        desc = escape(r["description"]) if r["status"] == "ok" else f"[red]{escape(r['error'] or '')}[/]"
         table.add_row(r["kind"] or "?", r["name"], r["plugin"], r["distribution"] or "-",
                       r["version"] or "-", status, desc)
     console.print(table)
@@ -101,7 +101,7 @@ def plugins_info(
     for row in rows:
         table = Table(show_header=False, title=f"{row['kind']} '{row['name']}'")
         for k, v in row.items():
-            table.add_row(k, str(v) if v is not None else "-")
+            table.add_row(k, escape(str(v)) if v is not None else "-")
         console.print(table)
 
 
@@ -300,7 +300,7 @@ def run(
     max_steps: int | None = typer.Option(None, "--max-steps", help="Number of RL steps."),
     launcher_name: str | None = typer.Option(None, "--launcher", help="Launcher plugin (local, slurm)."),
     dry_run: bool = typer.Option(False, "--dry-run", help=(
-        "Print the resolved config and exit; a launcher with a dry_run key (slurm) writes its "
+        "Print the resolved config and exit; a launcher declaring its own dry run (slurm) writes its "
         "job scripts instead and submits nothing.")),
     overwrite: bool = typer.Option(False, "--overwrite", help=(
         "Start afresh in an output dir that holds a run (else an unfinished run with the same "
@@ -313,18 +313,28 @@ def run(
 
     cfg = _resolve(ctx, {"model.name": model, "env.name": env, "output_dir": output_dir, "max_steps": max_steps,
                          "launcher.name": launcher_name})
-    if dry_run and not hasattr(cfg.launcher, "dry_run"):
+    if dry_run and not get_registry().capabilities("launcher", cfg.launcher.name).dry_run:
         typer.echo(dump_toml(to_dict(cfg)), nl=False)
         return
     if dry_run:
-        cfg.launcher.dry_run = True
+        cfg.launcher.dry_run = True  # the launcher declared the key (LauncherCapabilities.dry_run)
     elif overwrite:
         from primerl.resume import prepare_run
 
         for note in prepare_run(cfg, overwrite=True).notes:
             typer.echo(note)
     launcher = get_registry().load("launcher", cfg.launcher.name)
-    raise typer.Exit(launcher().launch(cfg) or 0)
+    from primerl.resume import RunFinished
+
+    try:
+        code = launcher().launch(cfg) or 0
+    except RunFinished as done:
+        from primerl.runview import summarize
+
+        summarize(done.run)
+        typer.echo(f"\n{done}")
+        code = 0
+    raise typer.Exit(code)
 
 
 @app.command(context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
@@ -358,6 +368,22 @@ def orchestrator(ctx: typer.Context) -> None:
     from primerl.orchestrator.main import main as orchestrator_main
 
     orchestrator_main(_resolve(ctx, {}))
+
+
+def _help_from_docstrings(*apps: typer.Typer) -> None:
+    """Command help from the docstrings with their paragraphs unwrapped: the terminal wraps
+    them to its width (hard line breaks would break the help mid-sentence)."""
+    import inspect
+    import re
+
+    for sub in apps:
+        for command in sub.registered_commands:
+            if command.help is None and command.callback is not None:
+                doc = inspect.getdoc(command.callback) or ""
+                command.help = "\n\n".join(re.sub(r"\s*\n\s*", " ", p.strip()) for p in doc.split("\n\n"))
+
+
+_help_from_docstrings(app, plugins_app, models_app, env_app)
 
 
 def main(argv: list[str] | None = None) -> None:

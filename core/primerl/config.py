@@ -150,6 +150,11 @@ class InferenceConfig:
         urls = [f"http://{self.host}:{p}" for p in ports]
         return urls[: self.prefill_replicas], urls[self.prefill_replicas:]
 
+    def fixed_ports(self) -> dict[str, int]:
+        """Ports a server binds besides ``port`` that the config fixes (key -> port): servers
+        sharing a machine cannot share them. None here; a backend's Config names its own."""
+        return {}
+
     def resolved_device(self) -> str:
         """``device``, with ``auto`` resolved (a backend's Config may resolve it its own way)."""
         if self.device != "auto":
@@ -308,9 +313,14 @@ class TrainerConfig:
 
     def precision_problem(self, device: str) -> str | None:
         """Why ``precision`` cannot hold on ``device``, or None."""
-        if self.precision == "float32" and device == "cuda" and self.resolved_parallelism() == "fsdp":
-            return ("trainer.precision = 'float32' with the fsdp strategy on CUDA: FSDP2 computes in bfloat16 there "
-                    "(float32 master weights and gradient reductions); set --trainer.precision auto or bfloat16")
+        if self.precision != "float32" or device != "cuda":
+            return None
+        from primerl.registry import get_registry
+
+        strategy = self.resolved_parallelism()
+        if not get_registry().capabilities("parallelism", strategy).float32_on_cuda:
+            return (f"trainer.precision = 'float32' with the {strategy} strategy on CUDA: it computes in bfloat16 "
+                    "there (float32 master weights and gradient reductions); set --trainer.precision auto or bfloat16")
         return None
 
 
@@ -376,6 +386,10 @@ class LauncherConfig:
     # (its own keys: docs/slurm.md); `primerl run --launcher NAME` sets it
     name: str = "local"
 
+    def trainer_nodes_used(self) -> int:
+        """The nodes the trainer's ranks span (one unless the launcher's Config says more)."""
+        return 1
+
 
 @attrs.define(kw_only=True)
 class RunConfig:
@@ -424,7 +438,7 @@ class RunConfig:
 
     def trainer_world_size(self) -> int:
         """The trainer's ranks: its nodes (one with the local launcher) x ``trainer.nproc``."""
-        return self.trainer.nproc * int(getattr(self.launcher, "trainer_nodes", 1))
+        return self.trainer.nproc * self.launcher.trainer_nodes_used()
 
 
 # --------------------------------------------------------------------------------------
@@ -712,8 +726,14 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
         plugin_classes[section] = cfg_cls
     # An environment may suggest run settings (max_tokens, SFT warm-up...) via
     # `run_defaults`; they sit below every file and override the user gives.
+    from primerl.envs import Environment
+
     env_name = raw.get("env", {}).get("name", EnvConfig().name)
-    env_defaults = getattr(reg.load("env", env_name), "run_defaults", None)
+    env_cls = reg.load("env", env_name)
+    if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
+        raise ConfigError(f"env plugin '{env_name}' registers {env_cls!r}, which is not a subclass of "
+                          "primerl.envs.Environment (SingleTurnEnv, MultiTurnEnv, AgentEnv...); fix the plugin")
+    env_defaults = env_cls.run_defaults
     if env_defaults:
         merged: dict[str, Any] = {}
         default_sources: dict[str, str] = {}
@@ -796,13 +816,12 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
         if field not in attrs.fields_dict(type(table)):
             continue
         name = getattr(table, field)
-        if key == "inference.backend" and cfg.trainer.weight_channel == "nccl":
-            backend = reg.load(kind, name)
-            if not hasattr(backend, "weight_sender"):
-                raise ConfigError(
-                    f"trainer.weight_channel = 'nccl' ({_src(sources, 'trainer.weight_channel')}) sends weights "
-                    f"straight to the inference servers, which inference.backend {name!r} cannot receive: use "
-                    f"--inference.backend vllm on GPUs, or --trainer.weight_channel filesystem (or shm)")
+        if (key == "inference.backend" and cfg.trainer.weight_channel == "nccl"
+                and reg.capabilities(kind, name).weight_sender is None):
+            raise ConfigError(
+                f"trainer.weight_channel = 'nccl' ({_src(sources, 'trainer.weight_channel')}) sends weights "
+                f"straight to the inference servers, which inference.backend {name!r} cannot receive: use "
+                f"--inference.backend vllm on GPUs, or --trainer.weight_channel filesystem (or shm)")
         if key == "trainer.parallelism":
             name = cfg.trainer.resolved_parallelism()
         try:

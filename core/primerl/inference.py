@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
 
+import attrs
+
 if TYPE_CHECKING:  # pragma: no cover
     from primerl.config import RunConfig
 
@@ -50,12 +52,18 @@ class InferenceBackend(Protocol):
 
     def serve(self, cfg: RunConfig) -> None: ...
 
-    # Optional: a backend that can receive weights straight from the trainer
-    # (``trainer.weight_channel = "nccl"``) also has
-    #   @staticmethod
-    #   def weight_sender(cfg: RunConfig, urls: list[str]) -> WeightSender
-    # which the trainer's global rank 0 calls once, after v0 is on disk; a config with the
-    # nccl channel and a backend without it is refused up front.
+
+@attrs.frozen(kw_only=True)
+class InferenceBackendCapabilities:
+    """What a backend declares when it registers (``register(..., capabilities=...)``).
+
+    ``weight_sender``: ``"module:attr"`` of ``(cfg, urls) -> WeightSender`` when the backend
+    receives weights straight from the trainer (``trainer.weight_channel = "nccl"``); the
+    trainer's global rank 0 calls it once, after v0 is on disk. A config with the nccl
+    channel and a backend that declares none is refused up front.
+    """
+
+    weight_sender: str | None = None
 
 
 class WeightSender(Protocol):

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from primerl.kv_stores import PrefixHit, SlotPool
+from primerl.kv_stores import IN_PROCESS, HandoffUnavailable, PrefixHit, SlotPool
 
 
 class _Entry:
@@ -117,6 +117,9 @@ class MemoryStore:
 
     def slots(self) -> Collection[int]:
         return self._by_slot.keys()
+
+    def handoff_blocks(self) -> Any:
+        raise HandoffUnavailable(f"this server's KV store ({type(self).__name__}) {IN_PROCESS}")
 
     # ---- internals ------------------------------------------------------------------------
     def _drop(self, e: _Entry) -> None:

@@ -54,8 +54,8 @@ import json
 import math
 import struct
 import warnings
-from collections.abc import Collection, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -73,6 +73,16 @@ class KVCache(Protocol):
     def write(self, slot: int, start: int, tensors: dict[str, Any]) -> None:
         """Write what :meth:`read` returned (every tensor ``[n, *shape]``, any device) at
         positions ``start .. start+n-1`` of ``slot``."""
+
+
+class HandoffUnavailable(Exception):
+    """This KV store cannot hand KV to another server (:meth:`KVStore.handoff_blocks`): the
+    message says why and what to run instead."""
+
+
+IN_PROCESS = ("keeps KV inside its process, so it cannot hand a prompt's KV between prefill and decode servers: "
+              "start every server with a KV store that shares it (--inference.kv_store disk, one shared directory, "
+              "or mooncake)")
 
 
 class SlotPool:
@@ -223,6 +233,12 @@ class KVStore(Protocol):
 
     def slots(self) -> Collection[int]:
         """The engine slots the store holds now (idle prefixes: neither free nor running)."""
+
+    def handoff_blocks(self) -> BlockSlotStore:
+        """The block tier that other servers of the run read what this store writes:
+        prefill/decode hands a prompt's KV from a prefill to a decode server through it.
+        Raises :class:`HandoffUnavailable` (why, and the fix) when the store keeps KV where
+        no other server reads it."""
 
 
 def model_identity(model: Any) -> str:
@@ -485,6 +501,9 @@ class BlockSlotStore:
     def slots(self) -> Collection[int]:
         return ()
 
+    def handoff_blocks(self) -> BlockSlotStore:
+        return self
+
     # ---- the write path -------------------------------------------------------------------
     def save(self, slot: int, tokens: Sequence[int], routed: list[Any]) -> int:
         """Put the full blocks of ``slot`` (holding the KV of ``tokens``) that the block store
@@ -519,6 +538,15 @@ class BlockSlotStore:
         return len(new)
 
 
+@runtime_checkable
+class ReportsEvictions(Protocol):
+    """An idle tier that tells who set ``on_evict`` about each prefix it evicts to make room,
+    ``on_evict(slot, tokens, routed)``, before it lets go of the slot (the disk store's
+    ``SpillingMemoryStore``); a write-back :class:`TieredKVStore` needs one."""
+
+    on_evict: Callable[[int, Sequence[int], list[Any]], None] | None
+
+
 class TieredKVStore:
     """Idle prefixes in free slots (``idle``, e.g. the memory store), blocks behind them.
 
@@ -530,8 +558,8 @@ class TieredKVStore:
       keeps the slot: other servers sharing the block store can reuse it at once (Mooncake);
     * ``write_through=False`` (write-back): when the idle tier evicts a prefix to make room
       (a weight update's :meth:`clear` writes nothing: that KV is stale). The idle tier must
-      report evictions: it calls ``idle.on_evict(slot, tokens, routed)`` before it lets go
-      of an evicted prefix's slot (this store sets that attribute in :meth:`bind`).
+      report evictions (:class:`ReportsEvictions`; this store sets its ``on_evict`` in
+      :meth:`bind`).
 
     ``current_weights_only``: the engine never hands this store KV of two policies (see
     :class:`KVStore`), so both tiers hold only KV of the current weights.
@@ -540,8 +568,8 @@ class TieredKVStore:
     current_weights_only = True
 
     def __init__(self, idle: KVStore, blocks: BlockKVStore, *, write_through: bool, namespace: str = "") -> None:
-        if not write_through and not hasattr(idle, "on_evict"):
-            raise TypeError(f"write-back needs an idle tier that reports evictions (an on_evict "
+        if not write_through and not isinstance(idle, ReportsEvictions):
+            raise TypeError(f"write-back needs an idle tier that reports evictions (ReportsEvictions: an on_evict "
                             f"attribute); {type(idle).__name__} has none")
         self.idle = idle
         self.blocks = BlockSlotStore(blocks, namespace)
@@ -582,6 +610,9 @@ class TieredKVStore:
 
     def slots(self) -> Collection[int]:
         return self.idle.slots()
+
+    def handoff_blocks(self) -> BlockSlotStore:
+        return self.blocks
 
     def _spill(self, slot: int, tokens: Sequence[int], routed: list[Any]) -> None:
         self.blocks.save(slot, tokens, routed)

@@ -26,9 +26,13 @@ class LauncherCapabilities:
 
     ``supports_pd``: it starts prefill/decode server pools (``inference.prefill_replicas``,
     ``decode_replicas``) and hands each server its role.
+    ``dry_run``: its ``Config`` has a ``dry_run`` key: ``primerl run --dry-run`` sets it and
+    the launcher writes what it would start (a batch job's scripts) and starts nothing;
+    without it ``--dry-run`` prints the resolved config.
     """
 
     supports_pd: bool = False
+    dry_run: bool = False
 
 
 @runtime_checkable

@@ -116,6 +116,17 @@ class Parallelized(NamedTuple):
     layout: ParallelLayout
 
 
+@attrs.frozen(kw_only=True)
+class ParallelismCapabilities:
+    """What a parallelism strategy declares when it registers (``register(..., capabilities=...)``).
+
+    ``float32_on_cuda``: it computes in float32 on CUDA when ``trainer.precision`` says so
+    (FSDP2 does not: it computes in bfloat16 there, masters and reductions in float32).
+    """
+
+    float32_on_cuda: bool = True
+
+
 @runtime_checkable
 class Parallelism(Protocol):
     """A trainer parallelism strategy (the target a ``register_parallelisms`` plugin
@@ -134,8 +145,9 @@ class Parallelism(Protocol):
         mesh: DeviceMesh,
         build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     ) -> Parallelized:
-        """Wrap or shard ``model`` (built on every rank, float32 master weights) on ``mesh``,
-        then build the optimizer with ``build_optimizer(model)`` over what it returns.
+        """Wrap or shard ``model`` (built on every rank, on the CPU, float32 master weights) on
+        ``mesh`` and place it on the mesh's device, then build the optimizer with
+        ``build_optimizer(model)`` over what it returns.
         The returned model keeps the forward signature of ``primerl.models.DecoderLM`` and
         the parameter names of the unwrapped model (publishing maps them to HF names)."""
         ...

@@ -358,6 +358,14 @@ def capabilities_record(kind: str) -> type | None:
         from primerl.launchers import LauncherCapabilities
 
         return LauncherCapabilities
+    if kind == "inference_backend":
+        from primerl.inference import InferenceBackendCapabilities
+
+        return InferenceBackendCapabilities
+    if kind == "parallelism":
+        from primerl.parallel import ParallelismCapabilities
+
+        return ParallelismCapabilities
     return None
 
 

@@ -321,6 +321,18 @@ def _delete_weights(d: Path) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+class RunFinished(PrimerlError):
+    """The run directory holds this run, finished: nothing to do (not an error of the user's:
+    ``primerl run`` says where its results are and exits 0)."""
+
+    def __init__(self, run: RunDir, steps: int, max_steps: int) -> None:
+        super().__init__(f"{run.root} already holds this run, finished ({steps} steps of {max_steps}); nothing was "
+                         f"run or overwritten. To train again: --max-steps N (more than {steps}) continues from its "
+                         f"last checkpoint, --overwrite starts afresh (its files are kept), or choose another "
+                         f"--output-dir.")
+        self.run, self.steps, self.max_steps = run, steps, max_steps
+
+
 def _rel(run: RunDir, p: Path) -> str:
     return str(p.relative_to(run.root))
 
@@ -378,10 +390,7 @@ def prepare(run: RunDir, max_steps: int, *, config: Any = None, overwrite: bool 
                     f"its own config again to resume it (recorded in {run.config}), or add --overwrite to start "
                     f"afresh (its files are then kept in {root}/{PREVIOUS_PREFIX}<time>/)")
         if good >= max_steps:
-            raise PrimerlError(
-                f"{root} already holds a finished run ({good} steps, max_steps is {max_steps}); nothing is "
-                f"overwritten. Use another --output-dir, add --overwrite to start afresh, or raise --max-steps "
-                f"to continue training from its last checkpoint.")
+            raise RunFinished(run, good, max_steps)
         notes.insert(0, f"resuming {root} from checkpoints/{step_name(good)} (step {good} of {max_steps})")
         moves += [run.checkpoint(n) for n, _ in unusable]
         if run.rollouts.is_dir():

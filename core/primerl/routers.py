@@ -17,10 +17,10 @@ the router: the orchestrator sends them to each of ``servers`` itself.
 
 Health is the orchestrator's: it probes every server, takes a dead one out of routing and
 re-sends its requests, and puts it back once it answers again with the current weights.
-A router that has the optional method ``servers_up(servers)`` is told each time the set of
-servers that may take requests changes; one without it keeps working, since the
-orchestrator asks again (and finally picks an up server itself) when ``route`` names a
-server that is down. ``finished(..., ok=False)`` still reports every failed request.
+A router's ``servers_up(servers)`` is told each time the set of servers that may take
+requests changes; a router that ignores it (a no-op) keeps working, since the orchestrator
+asks again (and finally picks an up server itself) when ``route`` names a server that is
+down. ``finished(..., ok=False)`` still reports every failed request.
 
 Requests that belong together carry the same ``session``: the samples of one group share
 their prompt, and the turns of one episode extend each other, so a router that keeps a
@@ -62,16 +62,16 @@ class Router(Protocol):
     def close(self) -> None:
         """Stop routing; stop an external router process."""
 
-    # Optional (called only when the router has them, so routers written before still fit):
-    #   def servers_up(self, servers: Sequence[str]) -> None
-    # ``servers``: those of ``start``'s that may take requests now, in ``start``'s order,
-    # after one was ejected (it stopped answering) or readmitted (it answers again and has
-    # the current weights); possibly empty. From then on ``route`` should answer one of
-    # them (an external router: remove and re-add workers, or rely on its own checks).
-    # Called on the orchestrator's event loop: keep it quick.
-    #   def headers(self, request: Route) -> Mapping[str, str]
-    # HTTP headers the orchestrator adds to ``request`` (e.g. a session header an external
-    # router keys on); asked once per request, before ``route``.
+    def servers_up(self, servers: Sequence[str]) -> None:
+        """``servers``: those of ``start``'s that may take requests now, in ``start``'s order,
+        after one was ejected (it stopped answering) or readmitted (it answers again and has
+        the current weights); possibly empty. From then on ``route`` should answer one of
+        them (an external router: remove and re-add workers, or rely on its own checks; a
+        router may ignore it). Called on the orchestrator's event loop: keep it quick."""
+
+    def headers(self, request: Route) -> Mapping[str, str]:
+        """HTTP headers the orchestrator adds to ``request`` (e.g. a session header an
+        external router keys on; ``{}`` for none); asked once per request, before ``route``."""
 
 
 def load_router(name: str, options: Mapping[str, Any] | None = None) -> Router:

@@ -56,11 +56,14 @@ def test_third_party_env_trains_three_steps(venv, tmp_path):
     assert (out / "reward.png").stat().st_size > 0
     assert (out / "weights" / "step_000003" / "STABLE").exists()
     assert "reward curve" in r.stdout
-    # the same command again must not clobber the finished run
+    # the same command again says the run is finished, where its results are and how to train
+    # again, exits 0, and clobbers nothing
     again = subprocess.run([str(venv), "-m", "primerl.cli", "run", "--model", "glm5", "--env", "echo-digits",
                             "--max-steps", "3", "--output-dir", str(out), *SMALL],
                            capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "already holds a finished run" in again.stderr
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"{out} already holds this run, finished (3 steps of 3)" in again.stdout
+    assert "reward curve" in again.stdout and "--max-steps N" in again.stdout and "--overwrite" in again.stdout
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
 

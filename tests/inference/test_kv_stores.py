@@ -9,7 +9,7 @@ import torch
 from primerl_embedded.engine import Engine, SamplingParams
 
 from primerl.kv_memory import MemoryStore, common_prefix
-from primerl.kv_stores import BlockKVStore, KVStore, SlotPool, block_keys
+from primerl.kv_stores import BlockKVStore, HandoffUnavailable, KVStore, SlotPool, block_keys
 from primerl.models import ModelConfig
 from primerl.registry import get_registry
 
@@ -35,6 +35,9 @@ class Forgetful:
     """The smallest KV store: keeps nothing (every finished slot goes straight back)."""
 
     current_weights_only = False
+
+    def handoff_blocks(self):
+        raise HandoffUnavailable("Forgetful keeps nothing")
 
     def bind(self, pool: SlotPool) -> None:
         self.pool, self.kept = pool, 0

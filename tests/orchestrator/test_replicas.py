@@ -175,7 +175,7 @@ def test_round_robin_skips_ejected_servers_and_moves_their_sessions():
 
 
 class FirstServerRouter:
-    """A router written before ``servers_up`` existed: always the first server."""
+    """A router that ignores health (its ``servers_up`` does nothing): always the first server."""
 
     def start(self, servers):
         self.servers = list(servers)
@@ -185,6 +185,12 @@ class FirstServerRouter:
 
     def finished(self, request, url, *, ok, seconds):
         pass
+
+    def servers_up(self, servers):
+        pass
+
+    def headers(self, request):
+        return {}
 
     def close(self):
         pass

@@ -92,6 +92,9 @@ class Environment:
 
     Config: ClassVar[type[EnvConfig]] = EnvConfig
     system_prompt: ClassVar[str | None] = None
+    # run settings the env suggests (``{"orchestrator": {"max_tokens": 64}, "sft": {...}}``):
+    # they sit below every config file and flag
+    run_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: EnvConfig | None = None):
         self.config = config if config is not None else self.Config()
@@ -99,6 +102,10 @@ class Environment:
     def tasks(self, split: str) -> Iterable[Task]:
         """The tasks of a split ('train' or 'eval')."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the env holds (scratch checkouts, clients); called once when its
+        process is done with it. Nothing by default."""
 
 
 @runtime_checkable

@@ -18,10 +18,11 @@ saw and produced, and only sampled tokens carry loss.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
+from primerl.config import EnvConfig
 from primerl.envs import Environment, Task
 from primerl.samples import NO_VERSION, Sample, decode_routed_experts
 
@@ -75,12 +76,22 @@ class Episode:
     error: str | None = None  # why the env ended it early, if it did (the episode still trains)
 
 
+@attrs.define(kw_only=True)
+class AgentConfig(EnvConfig):
+    """Options every agent env accepts (its ``Config`` subclasses this one)."""
+
+    # a whole group of episodes must finish in this time, else it fails (and is counted)
+    episode_timeout_s: float = attrs.field(default=1800.0, validator=attrs.validators.gt(0))
+
+
 class AgentEnv(Environment):
     """An environment that runs whole groups of episodes itself (in an env worker process).
 
-    Subclasses implement ``tasks`` and ``run_group``. Options for time limits come from the
-    env config's ``episode_timeout_s`` when it has one (the whole group must finish in it).
+    Subclasses implement ``tasks`` and ``run_group``; ``Config`` is :class:`AgentConfig` or a
+    subclass (``episode_timeout_s`` bounds a whole group).
     """
+
+    Config: ClassVar[type[EnvConfig]] = AgentConfig
 
     def run_group(self, task: Task, endpoint: Endpoint, n: int) -> list[Episode]:
         """``n`` episodes of ``task`` sampled from ``endpoint``; rewards may be group-relative."""

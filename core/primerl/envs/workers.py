@@ -60,7 +60,7 @@ def _serve(conn: Any, env: str | type, env_config: Any) -> None:
             except (BrokenPipeError, OSError):  # nobody is listening any more
                 return
     finally:
-        getattr(env, "close", lambda: None)()  # release what the env holds (scratch checkouts)
+        env.close()  # release what the env holds (scratch checkouts)
 
 
 class _Worker:

@@ -262,11 +262,8 @@ class InferenceClient:
         self._tell_router()
 
     def _tell_router(self) -> None:
-        servers_up = getattr(self.router, "servers_up", None)  # optional in the Router protocol
-        if servers_up is None:
-            return
         try:
-            servers_up(self.servers_up())
+            self.router.servers_up(self.servers_up())
         except Exception as exc:  # noqa: BLE001 - a router bug must not stop health tracking
             log(f"router {type(self.router).__name__}.servers_up failed: {_cause(exc)}")
 
@@ -335,8 +332,7 @@ class InferenceClient:
         return await self._post(COMPLETIONS, body, session)
 
     def _headers(self, route: Route) -> dict[str, str] | None:
-        headers = getattr(self.router, "headers", None)  # optional in the Router protocol
-        return dict(headers(route)) if headers is not None else None
+        return dict(self.router.headers(route)) or None
 
     async def _send(self, url: str, path: str, body: dict[str, Any], watch: bool = True,
                     headers: dict[str, str] | None = None) -> Any:
@@ -571,10 +567,9 @@ def inference_client(cfg: Any, router: Callable[[], Router] | None = None, *, se
         from primerl.routers import load_router
 
         def router() -> Router:
-            return load_router(inf.router, getattr(inf, "router_options", None))
+            return load_router(inf.router, inf.router_options)
 
-    disaggregated = getattr(inf, "disaggregated", None)
-    if disaggregated is not None and disaggregated():
+    if inf.disaggregated():
         prefill, decode = inf.pd_urls()
         return PDInferenceClient(prefill, decode, router, **kwargs)
     if servers is None:

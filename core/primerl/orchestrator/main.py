@@ -64,7 +64,7 @@ import attrs
 from primerl.advantages import compute_advantages
 from primerl.config import RunConfig
 from primerl.envs import Environment, Task, TaskError
-from primerl.envs.agent import AgentEnv, Endpoint, interleave
+from primerl.envs.agent import AgentConfig, AgentEnv, Endpoint, interleave
 from primerl.envs.multiturn import MultiTurnConfig, MultiTurnEnv, prompt_ids, turn_suffix
 from primerl.envs.workers import EnvWorkers
 from primerl.errors import PrimerlError
@@ -426,7 +426,7 @@ class Orchestrator:
         cannot be re-sent call by call: the whole group runs again on another server
         (counted in ``inference/resent``) and the lost attempt's episodes are discarded."""
         o = self.o
-        timeout = getattr(self.cfg.env, "episode_timeout_s", None)  # an agent env's Config may have none
+        timeout = self.cfg.env.episode_timeout_s if isinstance(self.cfg.env, AgentConfig) else None
         while True:
             url, token = await self.client.endpoint(group.session)
             endpoint = Endpoint(
@@ -628,8 +628,7 @@ class Orchestrator:
 def main(cfg: RunConfig) -> None:
     registry = get_registry()
     env = registry.load("env", cfg.env.name)(cfg.env)
-    resolved_key = getattr(cfg.inference, "resolved_api_key", None)  # servers that require a key
-    client = inference_client(cfg, servers=inference_urls(cfg), api_key=resolved_key() if resolved_key else None)
+    client = inference_client(cfg, servers=inference_urls(cfg), api_key=cfg.inference.resolved_api_key())
     # What exists now (modules, the env's tasks) lives as long as the run: frozen out of the
     # collector's sight, the occasional full collection scans only what rollouts make since
     # (in steady state the full ones took ~13% of this process's CPU on the quick start)

@@ -97,11 +97,11 @@ def load_parallelism(name: str) -> Parallelism:
 def weight_sender(cfg: RunConfig) -> Any:
     """The nccl channel's sender, from the inference backend (``primerl.inference.WeightSender``)."""
     from primerl.inference import inference_urls
-    from primerl.registry import get_registry
+    from primerl.registry import get_registry, load_target
 
-    backend = get_registry().load("inference_backend", cfg.inference.backend)
+    target = get_registry().capabilities("inference_backend", cfg.inference.backend).weight_sender
     log(f"weights go to inference over NCCL from now on ({cfg.inference.backend} backend)")
-    return backend.weight_sender(cfg, inference_urls(cfg))
+    return load_target(target)(cfg, inference_urls(cfg))
 
 
 def wait_for(path: Path) -> None:
@@ -156,8 +156,6 @@ def main(cfg: RunConfig) -> None:
                 load_resume_weights(resume[1], model, adapter=adapter)
             except Exception as exc:  # whatever a damaged file raises
                 raise unloadable(run, resume[0], exc) from exc
-        if device == "cuda" and t.resolved_parallelism() == "single":
-            model.to(device)
         settings = t.parallel.resolved(world_size())
         with device_mesh(parallelism.mesh_shape(world_size(), settings), device) as mesh:
             model, optimizer, layout = parallelism.parallelize(

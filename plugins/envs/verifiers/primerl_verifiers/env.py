@@ -31,9 +31,8 @@ from typing import Any, Literal
 
 import attrs
 
-from primerl.config import EnvConfig
 from primerl.envs import Task
-from primerl.envs.agent import AgentEnv, Endpoint, Episode, ModelCall
+from primerl.envs.agent import AgentConfig, AgentEnv, Endpoint, Episode, ModelCall
 
 
 def _env_id(_inst: Any, _attr: attrs.Attribute, value: str) -> None:
@@ -43,13 +42,12 @@ def _env_id(_inst: Any, _attr: attrs.Attribute, value: str) -> None:
 
 
 @attrs.define(kw_only=True)
-class VerifiersConfig(EnvConfig):
-    """``[env]`` options of the bridge."""
+class VerifiersConfig(AgentConfig):
+    """``[env]`` options of the bridge (``episode_timeout_s``: a whole group)."""
 
     id: str = attrs.field(default="", validator=_env_id)
     args: dict[str, Any] = attrs.Factory(dict)  # keyword arguments of load_environment
     client: Literal["tokens", "messages"] = "tokens"  # tokens: later turns sent as token ids
-    episode_timeout_s: float = attrs.field(default=1800.0, validator=attrs.validators.gt(0))  # a whole group
 
 
 class VerifiersEnv(AgentEnv):

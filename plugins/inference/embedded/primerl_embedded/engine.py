@@ -59,7 +59,7 @@ import attrs
 import torch
 
 from primerl.errors import PrimerlError
-from primerl.kv_stores import BlockSlotStore, KVStore, PrefixHit, SlotPool, model_identity
+from primerl.kv_stores import BlockSlotStore, HandoffUnavailable, KVStore, PrefixHit, SlotPool, model_identity
 from primerl.sampling import sample, scale
 
 
@@ -186,7 +186,7 @@ class Engine:
         # a store that publishes KV under the current version's keys never gets KV of two policies
         self._current_kv_only = kv_store.current_weights_only
         # recurrent layers (Mamba) keep a state only at a slot's full length: no prefix to reuse
-        self.prefix_reuse = getattr(self.cache, "supports_prefix_reuse", True)
+        self.prefix_reuse = self.cache.supports_prefix_reuse
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.version = 0
@@ -649,9 +649,11 @@ class KVHandoff:
     """
 
     def __init__(self, store: KVStore) -> None:
-        blocks = store if isinstance(store, BlockSlotStore) else getattr(store, "blocks", None)
-        self.blocks: BlockSlotStore | None = blocks if isinstance(blocks, BlockSlotStore) else None
-        self.store_name = type(store).__name__
+        try:
+            self.blocks: BlockSlotStore | None = store.handoff_blocks()
+            self.unavailable: str | None = None
+        except HandoffUnavailable as exc:  # the store says why (and what to run instead)
+            self.blocks, self.unavailable = None, str(exc)
 
     @property
     def block_size(self) -> int:
@@ -662,15 +664,7 @@ class KVHandoff:
         if phase not in ("prefill", "decode"):
             raise RequestError(f"kv_transfer_params: phase must be 'prefill' or 'decode', got {phase!r}")
         if self.blocks is None:
-            raise RequestError(
-                f"this server's KV store ({self.store_name}) keeps KV inside its process, so it cannot hand a "
-                f"prompt's KV between prefill and decode servers: start every server with --inference.kv_store "
-                f"disk (one shared directory) or mooncake")
-        if getattr(self.blocks.blocks, "shared", True) is False:  # the disk store, in its private directory
-            raise RequestError(
-                "this server's disk KV store keeps its blocks in a directory of its own, which other servers never "
-                "read: start every server of the run with PRIMERL_KV_DISK_SHARED=1 and one PRIMERL_KV_DISK_DIR "
-                "(the local launcher does)")
+            raise RequestError(self.unavailable)
         if not prefix_reuse:
             raise RequestError("this model's KV cache has recurrent state (Mamba layers) that cannot be restored "
                                "from blocks: prefill/decode disaggregation cannot serve it")

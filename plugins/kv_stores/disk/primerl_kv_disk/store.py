@@ -47,7 +47,16 @@ from pathlib import Path
 from typing import Any
 
 from primerl.kv_memory import MemoryStore
-from primerl.kv_stores import KVBlock, PrefixHit, TieredKVStore, decode_block, encode_block, env_int
+from primerl.kv_stores import (
+    BlockSlotStore,
+    HandoffUnavailable,
+    KVBlock,
+    PrefixHit,
+    TieredKVStore,
+    decode_block,
+    encode_block,
+    env_int,
+)
 
 DEFAULT_MAX_BYTES = 8 << 30
 DEFAULT_BLOCK_SIZE = 64
@@ -202,6 +211,14 @@ class DiskStore(TieredKVStore):
         namespace = namespace if namespace is not None else os.environ.get("PRIMERL_KV_NAMESPACE", "")
         self.files = DiskBlocks(root, max_bytes, block_size, shared=shared)
         super().__init__(SpillingMemoryStore(), self.files, write_through=False, namespace=namespace)
+
+    def handoff_blocks(self) -> BlockSlotStore:
+        if not self.files.shared:
+            raise HandoffUnavailable(
+                "this server's disk KV store keeps its blocks in a directory of its own, which other servers never "
+                "read: start every server of the run with PRIMERL_KV_DISK_SHARED=1 and one PRIMERL_KV_DISK_DIR "
+                "(the local launcher does)")
+        return self.blocks
 
 
 class SharedFolder:

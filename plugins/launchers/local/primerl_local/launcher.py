@@ -155,9 +155,11 @@ class LocalLauncher:
             print(note, flush=True)
         run_dir.logs.mkdir(parents=True, exist_ok=True)
         names = inference_names(cfg)
-        if len(names) > 1 and getattr(cfg.inference, "vllm_port", 0):
-            raise PrimerlError(f"inference.vllm_port ({cfg.inference.vllm_port}) fixes vLLM's own port, which "
-                               f"{len(names)} inference replicas cannot share: leave it 0 (a free port each)")
+        fixed = cfg.inference.fixed_ports()
+        if len(names) > 1 and fixed:
+            key, port = next(iter(fixed.items()))
+            raise PrimerlError(f"{key} ({port}) fixes a port of each inference server, which {len(names)} servers on "
+                               f"this machine cannot share: leave it 0 (a free port each)")
         ports = pick_ports(cfg.inference.host, cfg.inference.port, len(names))
         set_inference_urls(cfg, ports)
         cfg.output_dir = str(out)

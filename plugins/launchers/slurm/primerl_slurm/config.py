@@ -3,8 +3,8 @@
 ``launcher.name = "slurm"`` makes the core validate ``[launcher]`` with this class (a
 subclass of primerl's LauncherConfig), so the local launcher keeps its one key and a typo
 here is named with where it came from. The node split is resolved when the section is
-built: ``RunConfig.trainer_world_size()`` reads ``trainer_nodes`` to check the trainer's
-``[trainer.parallel]`` layout, so it must already be a number, never "auto".
+built: ``RunConfig.trainer_world_size()`` reads ``trainer_nodes_used()`` to check the
+trainer's ``[trainer.parallel]`` layout, so it must already be a number, never "auto".
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class SlurmConfig(LauncherConfig):
     sbatch_args: list[str] = attrs.field(factory=list)
     # write OUT/slurm/*.sbatch and the role scripts but submit nothing (primerl run --dry-run)
     dry_run: bool = False
+
+    def trainer_nodes_used(self) -> int:
+        return self.trainer_nodes
 
     def __attrs_post_init__(self) -> None:
         if self.nodes == 1:

@@ -88,7 +88,7 @@ class SlurmLauncher:
                 "node can read, and launcher.nodes > 1 puts them on nodes of their own: use 'filesystem' (or "
                 "'nccl' with the vllm backend)")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        resolved_key = getattr(cfg.inference, "resolved_api_key", lambda: None)()
+        resolved_key = cfg.inference.resolved_api_key()
         if not lay.shared and not resolved_key:
             # servers on nodes of their own bind every interface, which needs a key; a fresh
             # one travels in the job's environment (sbatch exports ours), never in a file

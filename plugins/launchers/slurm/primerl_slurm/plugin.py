@@ -8,4 +8,4 @@ from primerl.launchers import LauncherCapabilities
 def register_launchers(register):
     register("slurm", "primerl_slurm.launcher:SlurmLauncher",
              description="A run as one Slurm job: inference, trainer and orchestrator nodes, followed live",
-             capabilities=LauncherCapabilities(supports_pd=True))
+             capabilities=LauncherCapabilities(supports_pd=True, dry_run=True))

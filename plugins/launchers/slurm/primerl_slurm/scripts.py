@@ -61,7 +61,7 @@ class Layout:
     servers: int  # inference servers in all
     per_node: int  # inference servers on each inference node
     # each server's inference.role, in order: "prefill"s then "decode"s with prefill/decode
-    # disaggregation, else "both" (empty: the config has no role key)
+    # disaggregation, else "both"
     roles: tuple[str, ...] = ()
 
     @property
@@ -94,12 +94,12 @@ class Layout:
 def layout(cfg: RunConfig) -> Layout:
     """The placement ``cfg`` asks for; ``ValueError`` names the keys of one that cannot be."""
     lc, inf = cfg.launcher, cfg.inference
-    if getattr(inf, "disaggregated", lambda: False)():  # prefill/decode: the two pools replace replicas
+    if inf.disaggregated():  # prefill/decode: the two pools replace replicas
         roles = ("prefill",) * inf.prefill_replicas + ("decode",) * inf.decode_replicas
         keys = f"inference.prefill_replicas + decode_replicas ({inf.prefill_replicas} + {inf.decode_replicas})"
     else:
         n = lc.inference_nodes if inf.replicas == 1 and lc.nodes > 1 else inf.replicas  # default: one a node
-        roles = ("both" if hasattr(inf, "role") else "",) * n
+        roles = ("both",) * n
         keys = f"inference.replicas ({inf.replicas})"
     servers = len(roles)
     if lc.nodes == 1:

@@ -48,6 +48,7 @@ class Single:
     def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh,
                     build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Parallelized:
         self.units = publishing_units(model)
+        model.to(mesh.device_type)  # the CPU stays where it is; CUDA: the one GPU of this rank
         mesh_dims = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
         layout = ParallelLayout(strategy=self.name, mesh=mesh_dims, units=self.units)  # no shards
         return Parallelized(model, build_optimizer(model), layout)

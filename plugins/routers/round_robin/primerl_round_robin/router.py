@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from primerl.routers import Route
 
@@ -35,6 +35,9 @@ class RoundRobinRouter:
         self.servers = list(servers)
         self.up = list(self.servers)
         self._started = True
+
+    def headers(self, request: Route) -> Mapping[str, str]:
+        return {}
 
     def servers_up(self, servers: Sequence[str]) -> None:
         """Route only to ``servers`` from now on; sessions on the others move on their next request."""

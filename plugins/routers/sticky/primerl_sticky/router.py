@@ -44,7 +44,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -163,6 +163,9 @@ class StickyRouter:
                 state.avoid_until = time.monotonic() + self.avoid_s
             if request.session is not None and self._sessions.get(request.session) == url:
                 self._forget(request.session)  # its next request is placed afresh
+
+    def headers(self, request: Route) -> Mapping[str, str]:
+        return {}
 
     def servers_up(self, servers: Sequence[str]) -> None:
         """The orchestrator's client ejected or readmitted a server: only ``servers`` take
