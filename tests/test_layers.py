@@ -138,3 +138,20 @@ def test_the_seam_checks_see_what_they_check(tmp_path):
     f.write_text('if cfg.inference.backend == "vllm" or t.resolved_parallelism() in ("fsdp",):\n'
                  '    x = getattr(router, "servers_up", None)\n')
     assert len(name_compares(f, {"vllm", "fsdp"})) == 2 and len(probes(f)) == 1
+
+
+# the environment variables a user sets (the API key is a secret; the plugin lists and the
+# thread count act before any config is read); every other setting is a typed config key
+ALLOWED_ENV = {"PRIMERL_API_KEY", "PRIMERL_PLUGINS", "PRIMERL_DISABLE_PLUGINS", "PRIMERL_THREADS"}
+
+
+def test_no_primerl_variable_but_the_allowed_ones_is_read_or_set():
+    import re
+
+    named = {}
+    for path in [*sorted(CORE.rglob("*.py")), *sorted(f for p in plugin_packages().values() for f in p.rglob("*"))]:
+        if path.is_file() and path.suffix in (".py", ".sh", ".toml", ""):
+            for name in re.findall(r"PRIMERL_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")):
+                named.setdefault(name, str(path.relative_to(REPO)))
+    assert {n: where for n, where in named.items() if n not in ALLOWED_ENV} == {}
+    assert "PRIMERL_API_KEY" in named and "PRIMERL_THREADS" in named  # the scan reads what it should

@@ -102,6 +102,19 @@ def test_another_config_is_refused_in_one_line_and_nothing_moves(tmp_path):
         assert not may_change(key), key
 
 
+def test_other_kv_store_or_router_options_are_refused_like_any_other_key(tmp_path):
+    """They are config keys, in config.toml: a resume whose store or router is set up
+    differently is refused, naming the option (no environment variable bypasses the check)."""
+    run = unfinished(tmp_path)
+    for changed, shown in (({"inference.kv_store": "disk", "inference.kv_store_options": {"block_size": 32}},
+                            "inference.kv_store_options.block_size (unset) -> 32"),
+                           ({"inference.router": "sticky", "inference.router_options": {"max_sessions": 8}},
+                            "inference.router_options.max_sessions (unset) -> 8")):
+        with pytest.raises(PrimerlError, match="with another config: ") as info:
+            prepare_run(cfg_for(run.root, **changed))
+        assert shown in str(info.value)
+
+
 def test_a_finished_run_is_refused_unless_max_steps_is_raised(tmp_path):
     run = unfinished(tmp_path, done=(2, 4, 6))
     with pytest.raises(PrimerlError, match="already holds this run, finished"):

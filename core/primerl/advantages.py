@@ -12,8 +12,11 @@ reward, same order).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from primerl.registry import resolve_component
+
+AdvantageFn = Callable[[list[float]], list[float]]  # one group's rewards -> one advantage each
 
 
 def grpo(rewards: list[float]) -> list[float]:

@@ -306,12 +306,30 @@ class ErrorResponse(TypedDict):
 
 
 def inference_urls(cfg: Any) -> list[str]:
-    """The inference servers' base URLs: ``inference.urls`` when set (the local launcher
-    writes the ports it picked there), else replica i on ``inference.host:inference.port + i``."""
+    """The inference servers' base URLs: those the launcher started (the run-time record,
+    :mod:`primerl.runtime`), else ``inference.urls`` when set (servers started otherwise),
+    else replica i on ``inference.host:inference.port + i``."""
+    from primerl.runtime import read_runtime
+
     inf = cfg.inference
+    started = read_runtime(cfg.output_dir)
+    if started is not None and started.inference_urls:
+        return [u.rstrip("/") for u in started.inference_urls]
     if inf.urls:
         return [u.rstrip("/") for u in inf.urls]
     if inf.prefill_replicas:  # prefill/decode pools: every server, prefill first
-        prefill, decode = inf.pd_urls()
+        prefill, decode = pd_urls(cfg)
         return prefill + decode
     return [f"http://{inf.host}:{inf.port + i}" for i in range(inf.replicas)]
+
+
+def pd_urls(cfg: Any) -> tuple[list[str], list[str]]:
+    """(prefill servers, decode servers) of a prefill/decode run: the launcher's (the
+    run-time record), else ``inference.prefill_urls`` / ``decode_urls``, else the pools on
+    consecutive ports from ``inference.port``."""
+    from primerl.runtime import read_runtime
+
+    started = read_runtime(cfg.output_dir)
+    if started is not None and started.prefill_urls and started.decode_urls:
+        return [u.rstrip("/") for u in started.prefill_urls], [u.rstrip("/") for u in started.decode_urls]
+    return cfg.inference.pd_urls()

@@ -155,8 +155,8 @@ class KVStoreCapabilities:
     (a shared directory, a pool): prefill/decode disaggregation hands KV over through it.
     ``run_service``: ``"module:attr"`` of what a run needs set up once, before its servers
     (Mooncake's master; the disk store's shared folder under prefill/decode): called
-    ``(cfg, run_dir, env)`` by the launcher, it returns a started :class:`RunService`, or
-    None when the run needs none (a master is named in ``env`` already).
+    ``(cfg, run_dir)`` by the launcher, it returns a started :class:`RunService`, or None
+    when the run needs none (``inference.kv_store_options`` names a master already).
     """
 
     shares_across_processes: bool = False
@@ -166,11 +166,12 @@ class KVStoreCapabilities:
 class RunService(Protocol):
     """What a launcher starts for a run's KV store and stops after it."""
 
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments every server's store gets on top of ``inference.kv_store_options``
+        (the launcher puts them in the run-time record, :mod:`primerl.runtime`)."""
+
     def describe(self) -> str | None:
         """One line for the launcher's output (None: nothing to say)."""
-
-    def env(self) -> dict[str, str]:
-        """What every process of the run needs to reach it."""
 
     def stop(self) -> None: ...
 

@@ -56,6 +56,11 @@ class RunDir:
         return self.root / "config.toml"
 
     @property
+    def runtime(self) -> Path:
+        """What the launcher discovered when it started the run (:mod:`primerl.runtime`)."""
+        return self.root / "runtime.json"
+
+    @property
     def metrics(self) -> Path:
         """One JSON object per trainer step."""
         return self.root / "metrics.jsonl"

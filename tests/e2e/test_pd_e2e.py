@@ -23,10 +23,13 @@ def test_prefill_and_decode_servers_train_three_steps(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
-    # both servers started with their role, and the config says where each pool is
-    inference = read_toml(out / "config.toml")["inference"]
-    assert len(inference["prefill_urls"]) == 1 and len(inference["decode_urls"]) == 1
-    assert inference["urls"] == inference["prefill_urls"] + inference["decode_urls"]
+    # both servers started with their role; the run-time record says where each pool is and which
+    # folder their stores share (no user setting changed: config.toml names none of it)
+    runtime = json.loads((out / "runtime.json").read_text())
+    assert len(runtime["prefill_urls"]) == 1 and len(runtime["decode_urls"]) == 1
+    assert runtime["inference_urls"] == runtime["prefill_urls"] + runtime["decode_urls"]
+    assert runtime["kv_store_options"] == {"root": str(out / "kv"), "shared": True}
+    assert not read_toml(out / "config.toml")["inference"].get("urls")
     assert (out / "logs" / "inference-prefill-0.log").exists() and (out / "logs" / "inference-decode-0.log").exists()
     # the orchestrator ran every request in two phases over the two pools
     assert all(row["inference/prefill_up"] == 1 and row["inference/decode_up"] == 1 for row in rows)

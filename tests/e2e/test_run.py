@@ -1,6 +1,7 @@
 """`primerl run` end to end, as a user runs it: real processes, a real run directory."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -67,11 +68,24 @@ def test_third_party_env_trains_three_steps(venv, tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
 
-def test_ctrl_c_stops_every_child(tmp_path):
+ALLOWED_ENV = {"PRIMERL_API_KEY", "PRIMERL_PLUGINS", "PRIMERL_DISABLE_PLUGINS", "PRIMERL_THREADS"}
+
+
+def primerl_environ(pid: int) -> set[str]:
+    """The PRIMERL_* variables in a running process's environment."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone meanwhile
+        return set()
+    return {kv.split(b"=", 1)[0].decode() for kv in raw.split(b"\0") if kv.startswith(b"PRIMERL_")}
+
+
+def test_ctrl_c_stops_every_child_and_no_child_got_settings_from_the_environment(tmp_path):
     out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMERL_")} | {"PRIMERL_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
-                             "--max-steps", "1000", "--output-dir", str(out), *SMALL],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--max-steps", "1000", "--output-dir", str(out), *SMALL, "--inference.replicas", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 300
     kids: set[int] = set()
     while time.time() < deadline:  # wait until training is under way: all three children live
@@ -81,7 +95,11 @@ def test_ctrl_c_stops_every_child(tmp_path):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.5)
     kids |= descendants(proc.pid)
-    assert len(kids) >= 3
+    assert len(kids) >= 4
+    # every process of the run (servers, orchestrator, trainer, env workers) has only the allowed
+    # PRIMERL_* variables: what the launcher discovered went into the run-time record
+    assert set().union(*(primerl_environ(k) for k in kids)) <= ALLOWED_ENV
+    assert len(json.loads((out / "runtime.json").read_text())["inference_urls"]) == 2
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
@@ -228,11 +246,13 @@ def test_fp8_training_and_inference_compute_the_same_numbers(tmp_path):
 def test_a_mooncake_run_gets_its_master_from_the_launcher(tmp_path):
     pytest.importorskip("primerl_kv_mooncake", reason="the mooncake KV store plugin is not installed")
     out = tmp_path / "run"
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PRIMERL_MOONCAKE")}
     r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
                         "--max-steps", "2", "--output-dir", str(out), *SMALL, "--inference.replicas", "2",
-                        "--inference.kv_store", "mooncake"], capture_output=True, text=True, timeout=600, env=env)
+                        "--inference.kv_store", "mooncake"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Mooncake master at 127.0.0.1:" in r.stdout
+    # the master's address reached every server through the run-time record, not the environment
+    runtime = json.loads((out / "runtime.json").read_text())
+    assert runtime["kv_store_options"]["master"].startswith("127.0.0.1:") and len(runtime["inference_urls"]) == 2
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert (out / "logs" / "mooncake.log").exists()

@@ -33,7 +33,7 @@ from primerl.registry import get_registry
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 16  # PRIMERL_KV_BLOCK_SIZE: prompts of 40 to 120 tokens span several blocks and a tail
+BLOCK = 16  # kv_store_options.block_size: prompts of 40 to 120 tokens span several blocks and a tail
 PROMPTS = [list(range(5, 101)), list(range(120, 221)), list(range(7, 47))]  # 96 (block-aligned), 101, 40 tokens
 GROUP = list(range(230, 319))  # 89 tokens, sampled twice (n = 2)
 MAX_TOKENS = 12
@@ -52,22 +52,20 @@ def server_args(checkpoint, kv_store: str) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def pd_env(kv_store: str, tmp_dir):
-    """The environment every server of the run shares: one disk directory, or a Mooncake master."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PRIMERL_KV_BLOCK_SIZE", str(BLOCK))
-        if kv_store == "disk":
-            mp.setenv("PRIMERL_KV_DISK_DIR", str(tmp_dir / "kv"))
-            mp.setenv("PRIMERL_KV_DISK_SHARED", "1")
-            yield
-        else:
-            from primerl_kv_mooncake.master import start_master
+def pd_options(kv_store: str, tmp_dir):
+    """The store options every server of the run shares (config keys): one disk directory, or
+    a Mooncake master."""
+    common = ("--inference.kv_store_options.block_size", str(BLOCK))
+    if kv_store == "disk":
+        yield (*common, "--inference.kv_store_options.root", str(tmp_dir / "kv"),
+               "--inference.kv_store_options.shared", "true")
+    else:
+        from primerl_kv_mooncake.master import start_master
 
-            with start_master() as master:
-                for k, v in {**master.env(), "PRIMERL_MOONCAKE_SEGMENT_BYTES": str(64 << 20),
-                             "PRIMERL_MOONCAKE_BUFFER_BYTES": str(16 << 20)}.items():
-                    mp.setenv(k, v)
-                yield
+        with start_master() as master:
+            yield (*common, *[a for k, v in {**master.options(), "segment_bytes": 64 << 20,
+                                                "buffer_bytes": 16 << 20}.items()
+                              for a in (f"--inference.kv_store_options.{k}", str(v))])
 
 
 def mooncake_missing() -> str | None:
@@ -101,10 +99,11 @@ def pd(request, checkpoint, tmp_path_factory):
     if kv_store == "mooncake" and (why := mooncake_missing()):
         pytest.skip(why)
     tmp = tmp_path_factory.mktemp(f"pd-{kv_store}")
-    args = server_args(checkpoint, kv_store)
-    with pd_env(kv_store, tmp), InferenceServer(*args, "--inference.role", "prefill") as p, \
-            InferenceServer(*args, "--inference.role", "decode") as d:
-        yield p, d, args, kv_store
+    with pd_options(kv_store, tmp) as options:
+        args = (*server_args(checkpoint, kv_store), *options)
+        with InferenceServer(*args, "--inference.role", "prefill") as p, \
+                InferenceServer(*args, "--inference.role", "decode") as d:
+            yield p, d, args, kv_store
 
 
 def greedy(prompt, n=1, max_tokens=MAX_TOKENS) -> dict:
@@ -283,7 +282,7 @@ def test_a_private_disk_directory_refuses_a_phase(tmp_path):
     from primerl_embedded.engine import KVHandoff, RequestError, SamplingParams
     from primerl_kv_disk.store import DiskStore
 
-    with pytest.raises(RequestError, match="PRIMERL_KV_DISK_SHARED=1"):
+    with pytest.raises(RequestError, match="shared = true"):
         KVHandoff(DiskStore(root=tmp_path)).check("decode", SamplingParams(), prefix_reuse=True)
     KVHandoff(DiskStore(root=tmp_path, shared=True)).check("prefill", SamplingParams(), prefix_reuse=True)
 

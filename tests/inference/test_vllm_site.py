@@ -5,8 +5,8 @@ against the CPU torch; the backend probes them once, then hides the broken ones 
 vLLM process through a ``sitecustomize`` on ``PYTHONPATH``. Checked here with stand-in
 packages (the real ones are not installed in the main environment): a package whose import
 fails is reported and then looks not installed (``find_spec`` None, ``import`` an
-ImportError); at interpreter start-up the names in ``PRIMERL_HIDE_MODULES`` are hidden
-without importing anything, and a ``sitecustomize`` further on the path still runs;
+ImportError); at interpreter start-up the names in the file beside the installed copy are
+hidden without importing anything, and a ``sitecustomize`` further on the path still runs;
 ``vllm_env`` wires both. The real packages are exercised by ``test_vllm.py`` in the vLLM
 environment (``.ci/run``).
 """
@@ -65,22 +65,27 @@ def test_sitecustomize_hides_the_names_at_startup_and_chains_to_the_next_one(tmp
     other = tmp_path / "other"
     other.mkdir()
     (other / "sitecustomize.py").write_text("import os\nos.environ['CHAINED'] = 'yes'\n")
+    guard = site.install(str(tmp_path / "guard"), ["fake_good_ext"])
     out = _python("""
         import importlib.util, os, sys
         print(importlib.util.find_spec("fake_good_ext") is None, os.environ.get("CHAINED"), "torch" in sys.modules)
-    """, {"PYTHONPATH": os.pathsep.join([site.HERE, str(root), str(other)]), site.ENV: "fake_good_ext"})
+    """, {"PYTHONPATH": os.pathsep.join([guard, str(root), str(other)])})
     assert out == "True yes False"  # hidden; the shadowed sitecustomize ran; nothing heavy imported
 
 
-def test_vllm_env_puts_the_guard_first_on_pythonpath(monkeypatch):
+def test_vllm_env_puts_the_guard_first_on_pythonpath(monkeypatch, tmp_path):
     from primerl_vllm.config import VllmConfig
     from primerl_vllm.launch import vllm_env
 
     from primerl.config import RunConfig
 
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    cfg = RunConfig(inference=VllmConfig(device="cpu"))
+    cfg = RunConfig(inference=VllmConfig(device="cpu"), output_dir=str(tmp_path))
     env = vllm_env(cfg, ("torchvision", "torchcodec"))
-    assert env["PYTHONPATH"].split(os.pathsep) == [site.HERE, "/somewhere"]
-    assert env[site.ENV] == "torchvision,torchcodec"
-    assert site.ENV not in vllm_env(cfg)  # nothing broken: the environment is left alone
+    guard, rest = env["PYTHONPATH"].split(os.pathsep)
+    assert rest == "/somewhere" and guard.startswith(str(tmp_path / "kv" / "vllm-site-"))
+    with open(os.path.join(guard, site.HIDDEN)) as fh:
+        assert fh.read().split() == ["torchvision", "torchcodec"]
+    assert os.path.isfile(os.path.join(guard, "sitecustomize.py"))
+    assert not any(k.startswith("PRIMERL_") and k not in os.environ for k in env)  # no second channel
+    assert vllm_env(cfg)["PYTHONPATH"] == "/somewhere"  # nothing broken: the path is left alone

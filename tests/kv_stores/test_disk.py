@@ -136,12 +136,10 @@ def test_spilling_memory_store_reports_evictions_only(model, tmp_path):
     assert len(seen) == 1 and not idle.slots()
 
 
-def test_a_shared_directory_serves_one_servers_evicted_prefix_to_another(model, tmp_path, monkeypatch):
+def test_a_shared_directory_serves_one_servers_evicted_prefix_to_another(model, tmp_path):
     _, tok, _ = model
-    monkeypatch.setenv("PRIMERL_KV_DISK_DIR", str(tmp_path / "kv"))
-    monkeypatch.setenv("PRIMERL_KV_DISK_SHARED", "1")
-    monkeypatch.setenv("PRIMERL_KV_BLOCK_SIZE", "16")
-    a, b = DiskStore(), DiskStore()  # as two servers of one run build them, from the environment
+    options = {"root": str(tmp_path / "kv"), "shared": True, "block_size": 16}
+    a, b = DiskStore(**options), DiskStore(**options)  # as two servers of one run build them, from kv_store_options
     assert a.files.dir == b.files.dir == tmp_path / "kv" and a.files.shared
     ea, eb = engine(model, a), engine(model, b)
     prompt = tok.encode("Reverse: one prompt, two servers, one directory. " * 3)

@@ -29,7 +29,7 @@ except install.MooncakeUnavailable as exc:
 
 from conftest import greedy
 from primerl_embedded.engine import Engine
-from primerl_kv_mooncake.master import ENV_MASTER, ENV_METADATA, MooncakeMaster, start_master
+from primerl_kv_mooncake.master import MooncakeMaster, start_master
 from primerl_kv_mooncake.store import MooncakeStore
 
 SMALL = dict(segment_bytes=64 << 20, buffer_bytes=16 << 20)  # what each test client lends the pool
@@ -47,16 +47,13 @@ def engine(glm5, store):
                   kv_slots=4, num_experts=8)
 
 
-def test_master_helper_serves_and_its_env_reaches_it(master, monkeypatch):
-    assert master.ready() and master.env() == {ENV_MASTER: master.address, "MOONCAKE_MASTER": master.address,
-                                               ENV_METADATA: master.metadata_url}
-    for k, v in master.env().items():  # the master's HTTP metadata server (without it: P2P handshake)
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("PRIMERL_KV_BLOCK_SIZE", "32")
-    store = get_registry().load("kv_store", "mooncake")(**SMALL)  # what the backend builds, from the env
+def test_master_helper_serves_and_its_options_reach_it(master):
+    assert master.ready() and master.options() == {"master": master.address, "metadata": master.metadata_url}
+    # the master's HTTP metadata server (without it: P2P handshake), as the backend builds the store
+    store = get_registry().load("kv_store", "mooncake")(**master.options(), block_size=32, **SMALL)
     try:
         assert isinstance(store, MooncakeStore) and store.pool_blocks.block_size == 32
-        for name in ("bind", "lookup", "load", "vacate", "keep", "clear", "slots"):
+        for name in ("bind", "lookup", "load", "vacate", "keep", "clear", "slots", "handoff_blocks"):
             assert callable(getattr(store, name)) and name in vars(KVStore)
     finally:
         store.close()
@@ -88,23 +85,21 @@ def test_a_prefix_computed_on_one_engine_is_restored_on_another(master, glm5):
         b.close()
 
 
-def test_the_master_command_prints_the_environment_then_serves_until_stopped():
+def test_the_master_command_prints_its_options_then_serves_until_stopped():
     proc = subprocess.Popen([sys.executable, "-m", "primerl_kv_mooncake.master"], stdout=subprocess.PIPE, text=True)
     try:
-        lines = [proc.stdout.readline().strip() for _ in range(3)]
-        env = dict(line.split("=", 1) for line in lines)
-        assert list(env) == [ENV_MASTER, "MOONCAKE_MASTER", ENV_METADATA]  # the metadata line last: "serving"
-        store = MooncakeStore(env[ENV_MASTER], env[ENV_METADATA], **SMALL)
+        lines = [proc.stdout.readline().strip() for _ in range(2)]
+        options = dict(line.split("=", 1) for line in lines)
+        assert list(options) == ["master", "metadata"]  # the metadata line last: "serving"
+        store = MooncakeStore(**options, **SMALL)
         store.close()
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
 
 
-def test_errors_name_the_fix(monkeypatch):
-    monkeypatch.delenv(ENV_MASTER, raising=False)
-    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
-    with pytest.raises(install.MooncakeUnavailable, match=ENV_MASTER):
+def test_errors_name_the_fix():
+    with pytest.raises(install.MooncakeUnavailable, match="inference.kv_store_options.master"):
         MooncakeStore()
     t = time.monotonic()
     with pytest.raises(install.MooncakeUnavailable, match="cannot reach the Mooncake master at 127.0.0.1:9"):
@@ -164,16 +159,15 @@ def _hit_tokens(url: str) -> float:
 
 
 @pytest.mark.slow
-def test_two_inference_servers_share_one_pool(master, monkeypatch):
+def test_two_inference_servers_share_one_pool(master):
     """Two `primerl inference` processes with --inference.kv_store mooncake: a prompt served by
     the first is restored by the second from the pool, with the same tokens and experts."""
     from conftest import InferenceServer
 
-    for k, v in {**master.env(), "PRIMERL_KV_BLOCK_SIZE": "16", "PRIMERL_MOONCAKE_SEGMENT_BYTES": str(64 << 20),
-                 "PRIMERL_MOONCAKE_BUFFER_BYTES": str(16 << 20)}.items():
-        monkeypatch.setenv(k, v)
+    options = {**master.options(), "block_size": 16, "segment_bytes": 64 << 20, "buffer_bytes": 16 << 20}
     args = ("--model", "glm5", "--inference.kv_store", "mooncake", "--inference.max_model_len", "512",
-            "--inference.kv_slots", "64")
+            "--inference.kv_slots", "64", *[a for k, v in options.items()
+                                            for a in (f"--inference.kv_store_options.{k}", str(v))])
     prompt = list(range(5, 250)) + list(range(5, 100))
     with InferenceServer(*args) as one, InferenceServer(*args) as two:
         first = _completion(one.url, prompt)

@@ -107,10 +107,13 @@ def test_dry_run_places_prefill_decode_servers_and_the_mooncake_master(tmp_path)
                 "--inference.kv_store", "mooncake", "--dry-run", "--output-dir", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     batch = (out / "slurm" / "primerl.sbatch").read_text()
-    assert "PRIMERL_SERVER_ROLES='prefill prefill decode decode'" in batch
-    assert 'prefill_urls = [$(join "${URLS[@]:0:2}")]' in batch and 'decode_urls = [$(join "${URLS[@]:2}")]' in batch
-    # the master starts first and the servers are launched once it serves
-    assert batch.index("launch mooncake") < batch.index("launch inference")
+    assert "JOB_SERVER_ROLES='prefill prefill decode decode'" in batch
+    # each pool's URLs and the master's addresses go into the run-time record, not the config
+    assert '"prefill_urls": [%s]\' "$(join "${URLS[@]:0:2}")"' in batch
+    assert '"decode_urls": [%s]\' "$(join "${URLS[@]:2}")"' in batch
+    assert 'KV_OPTIONS="\\"master\\": \\"$MOONCAKE_MASTER\\"' in batch and '> "$RUNTIME.tmp"' in batch
+    # the master starts first, the record is written once it serves, then the servers start
+    assert batch.index("launch mooncake") < batch.index('> "$RUNTIME.tmp"') < batch.index("launch inference")
     assert "--rpc-port 50051" in (out / "slurm" / "mooncake.sh").read_text()
     assert '--inference.role "${roles[$SLURM_PROCID]}"' in (out / "slurm" / "inference.sh").read_text()
     for p in (out / "slurm").iterdir():

@@ -162,13 +162,12 @@ def test_missing_binary_and_unknown_policy_are_one_line_errors(monkeypatch, serv
         VllmRouter(policy="nearest")
 
 
-def test_settings_from_the_environment(monkeypatch):
-    monkeypatch.setenv("PRIMERL_VLLM_ROUTER_POLICY", "consistent_hash")
-    monkeypatch.setenv("PRIMERL_VLLM_ROUTER_ARGS", "--balance-abs-threshold 8 --log-level 'info'")
-    r = VllmRouter()
+def test_settings_are_router_options_and_the_environment_is_not_read(monkeypatch):
+    monkeypatch.setenv("PRIMERL_VLLM_ROUTER_POLICY", "consistent_hash")  # a second channel: ignored
+    r = VllmRouter(policy="consistent_hash", args="--balance-abs-threshold 8 --log-level 'info'")
     assert r.policy == "consistent_hash" and r.args == ["--balance-abs-threshold", "8", "--log-level", "info"]
-    r = VllmRouter(policy="power_of_two", args=[])  # keywords win
-    assert r.policy == "power_of_two" and r.args == []
+    r = VllmRouter()
+    assert r.policy == "cache_aware" and r.args == []
 
 
 def test_through_the_orchestrators_client(servers):

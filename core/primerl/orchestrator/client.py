@@ -570,7 +570,9 @@ def inference_client(cfg: Any, router: Callable[[], Router] | None = None, *, se
             return load_router(inf.router, inf.router_options)
 
     if inf.disaggregated():
-        prefill, decode = inf.pd_urls()
+        from primerl.inference import pd_urls
+
+        prefill, decode = pd_urls(cfg)
         return PDInferenceClient(prefill, decode, router, **kwargs)
     if servers is None:
         raise ValueError("inference_client needs the servers' URLs when prefill/decode are not disaggregated")

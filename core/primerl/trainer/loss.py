@@ -23,7 +23,6 @@ The loss contract (:class:`LossFn`, what a custom ``trainer.loss`` implements)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from primerl.registry import resolve_component
@@ -45,9 +44,6 @@ class LossFn(Protocol):
         config: Any,  # TrainerConfig
         normalizer: float,  # loss tokens of the whole optimizer step
     ) -> tuple[Tensor, dict[str, Any]]: ...
-
-
-AdvantageFn = Callable[[list[float]], list[float]]
 
 
 # --------------------------------------------------------------------------------------

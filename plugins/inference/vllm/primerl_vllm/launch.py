@@ -125,18 +125,26 @@ def kv_dir(cfg: Any) -> str:
     return str(Path(cfg.output_dir).resolve() / "kv")
 
 
-def write_mooncake_config(path: Path) -> None:
-    """MooncakeStoreConnector's settings: the master the launcher started
-    (``MOONCAKE_MASTER``, default 127.0.0.1:50051), TCP unless RDMA is named
-    (``MOONCAKE_PROTOCOL``), segment and buffer sizes."""
+def kv_store_options(cfg: Any) -> dict[str, Any]:
+    """``inference.kv_store_options`` with what the launcher's KV store service set up on top
+    (the run-time record: Mooncake's master)."""
+    from primerl.runtime import read_runtime
+
+    started = read_runtime(cfg.output_dir)
+    return {**cfg.inference.kv_store_options, **(started.kv_store_options if started else {})}
+
+
+def write_mooncake_config(path: Path, options: dict[str, Any]) -> None:
+    """MooncakeStoreConnector's settings, from the mooncake store's options: the master (the
+    launcher's), TCP unless ``protocol`` names RDMA, segment and buffer sizes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "metadata_server": "P2PHANDSHAKE",
-        "master_server_address": os.environ.get("MOONCAKE_MASTER", "127.0.0.1:50051"),
-        "global_segment_size": os.environ.get("MOONCAKE_GLOBAL_SEGMENT_SIZE", "16GB"),
-        "local_buffer_size": os.environ.get("MOONCAKE_LOCAL_BUFFER_SIZE", "4GB"),
-        "protocol": os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
-        "device_name": os.environ.get("MOONCAKE_DEVICE", ""),
+        "master_server_address": options.get("master", "127.0.0.1:50051"),
+        "global_segment_size": options.get("segment_bytes", "16GB"),
+        "local_buffer_size": options.get("buffer_bytes", "4GB"),
+        "protocol": options.get("protocol", "tcp"),
+        "device_name": options.get("device", ""),
     }, indent=2) + "\n")
 
 
@@ -149,12 +157,12 @@ def vllm_env(cfg: Any, hidden: tuple[str, ...] | list[str] = ()) -> dict[str, st
 
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONUNBUFFERED": "1"}
     if hidden:
-        env[site.ENV] = ",".join(hidden)
-        env["PYTHONPATH"] = os.pathsep.join([site.HERE, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+        folder = site.install(str(Path(kv_dir(cfg)) / f"vllm-site-{os.getpid()}"), hidden)
+        env["PYTHONPATH"] = os.pathsep.join([folder, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     _, store_env = cfg.inference.kv_store_connector(kv_dir(cfg))
     env.update(store_env)
     if cfg.inference.kv_store == "mooncake":  # MooncakeStoreConnector reads its settings from this file
-        write_mooncake_config(Path(store_env["MOONCAKE_CONFIG_PATH"]))
+        write_mooncake_config(Path(store_env["MOONCAKE_CONFIG_PATH"]), kv_store_options(cfg))
     if cfg.inference.resolved_device() == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.inference.cpu_kv_cache_gib:g}"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -18,21 +18,21 @@ costs no I/O. A weight update writes nothing (that KV is stale) and deletes noth
 new version's keys never match the old blocks, which are then the least recently used
 and go first.
 
-Settings (constructor arguments; each defaults to an environment variable, then a value):
+Settings: the constructor's keyword arguments, ``[inference.kv_store_options]`` (typed config
+keys, compared on resume); under prefill/decode the launcher's run service sets ``root`` and
+``shared`` for every server through the run-time record (:mod:`primerl.runtime`):
 
-* ``root`` (``PRIMERL_KV_DISK_DIR``, default the system temp dir): where the store makes
-  its own directory ``primerl-kv-XXXX``, deleted when the process exits. It reads only
-  files it wrote itself: KV in a file left by another process may come from other weights.
-* ``shared`` (``PRIMERL_KV_DISK_SHARED=1``, default off): use ``root`` itself, shared with
-  the other servers of the run on this machine or a shared filesystem (each finds the
-  blocks any of them wrote; prefill/decode disaggregation hands KV over this way). One run
-  per directory (a run's output dir ``kv/``): keys do not name the run unless
-  ``namespace`` does.
-* ``max_bytes`` (``PRIMERL_KV_DISK_MAX_BYTES``, default 8 GiB): the total size of the files
-  this process wrote.
-* ``block_size`` (``PRIMERL_KV_BLOCK_SIZE``, default 64 tokens): a hit covers whole blocks
-  (the rest of the prompt runs), one file per block.
-* ``namespace`` (``PRIMERL_KV_NAMESPACE``, default empty): prepended to every key.
+* ``root`` (default the system temp dir): where the store makes its own directory
+  ``primerl-kv-XXXX``, deleted when the process exits. It reads only files it wrote itself:
+  KV in a file left by another process may come from other weights.
+* ``shared`` (default false): use ``root`` itself, shared with the other servers of the run
+  on this machine or a shared filesystem (each finds the blocks any of them wrote;
+  prefill/decode disaggregation hands KV over this way). One run per directory (a run's
+  output dir ``kv/``): keys do not name the run unless ``namespace`` does.
+* ``max_bytes`` (default 8 GiB): the total size of the files this process wrote.
+* ``block_size`` (default 64 tokens): a hit covers whole blocks (the rest of the prompt
+  runs), one file per block.
+* ``namespace`` (default empty): prepended to every key.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ from primerl.kv_stores import (
     TieredKVStore,
     decode_block,
     encode_block,
-    env_int,
 )
 
 DEFAULT_MAX_BYTES = 8 << 30
@@ -102,7 +101,7 @@ class DiskBlocks:
         if max_bytes < 1 or block_size < 1:
             raise ValueError(f"max_bytes and block_size must be >= 1, got {max_bytes} and {block_size}")
         if shared and root is None:
-            raise ValueError("a shared KV directory must be named (root, or PRIMERL_KV_DISK_DIR)")
+            raise ValueError("a shared KV directory must be named: kv_store_options root = DIR")
         if root is not None:
             Path(root).mkdir(parents=True, exist_ok=True)
         self.shared = shared
@@ -203,12 +202,9 @@ class DiskStore(TieredKVStore):
     blocks (LRU, at most ``max_bytes``) and restored on a prefix hit."""
 
     def __init__(self, root: str | os.PathLike | None = None, max_bytes: int | None = None,
-                 block_size: int | None = None, *, shared: bool | None = None, namespace: str | None = None) -> None:
-        root = root if root is not None else (os.environ.get("PRIMERL_KV_DISK_DIR") or None)
-        max_bytes = max_bytes if max_bytes is not None else env_int("PRIMERL_KV_DISK_MAX_BYTES", DEFAULT_MAX_BYTES)
-        block_size = block_size if block_size is not None else env_int("PRIMERL_KV_BLOCK_SIZE", DEFAULT_BLOCK_SIZE)
-        shared = shared if shared is not None else bool(env_int("PRIMERL_KV_DISK_SHARED", 0))
-        namespace = namespace if namespace is not None else os.environ.get("PRIMERL_KV_NAMESPACE", "")
+                 block_size: int | None = None, *, shared: bool = False, namespace: str = "") -> None:
+        max_bytes = max_bytes if max_bytes is not None else DEFAULT_MAX_BYTES
+        block_size = block_size if block_size is not None else DEFAULT_BLOCK_SIZE
         self.files = DiskBlocks(root, max_bytes, block_size, shared=shared)
         super().__init__(SpillingMemoryStore(), self.files, write_through=False, namespace=namespace)
 
@@ -216,8 +212,8 @@ class DiskStore(TieredKVStore):
         if not self.files.shared:
             raise HandoffUnavailable(
                 "this server's disk KV store keeps its blocks in a directory of its own, which other servers never "
-                "read: start every server of the run with PRIMERL_KV_DISK_SHARED=1 and one PRIMERL_KV_DISK_DIR "
-                "(the local launcher does)")
+                "read: give every server of the run one folder, inference.kv_store_options root = DIR and shared = "
+                "true (the launchers do under prefill/decode)")
         return self.blocks
 
 
@@ -228,8 +224,8 @@ class SharedFolder:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def env(self) -> dict[str, str]:
-        return {"PRIMERL_KV_DISK_DIR": str(self.root), "PRIMERL_KV_DISK_SHARED": "1"}
+    def options(self) -> dict[str, Any]:
+        return {"root": str(self.root), "shared": True}
 
     def describe(self) -> None:
         return None
@@ -238,8 +234,8 @@ class SharedFolder:
         pass
 
 
-def run_service(cfg: Any, run_dir: Any, env: dict[str, str]) -> SharedFolder | None:
-    """:class:`SharedFolder` for a prefill/decode run whose environment names no folder."""
-    if not cfg.inference.disaggregated() or env.get("PRIMERL_KV_DISK_DIR"):
+def run_service(cfg: Any, run_dir: Any) -> SharedFolder | None:
+    """:class:`SharedFolder` for a prefill/decode run whose ``kv_store_options`` name no folder."""
+    if not cfg.inference.disaggregated() or cfg.inference.kv_store_options.get("root"):
         return None
     return SharedFolder(run_dir.root / "kv")

@@ -7,11 +7,11 @@ clients exchange their transfer metadata directly (``P2PHANDSHAKE``), or through
 master's HTTP metadata server (also started), so no etcd is needed. :class:`MooncakeMaster` starts it with free ports on ``host``, in its
 own process group and set to die with its parent
 (:func:`primerl.children.own_group_and_die_with_parent`), waits until its health endpoint
-says it serves, and gives the addresses clients need (:meth:`MooncakeMaster.env`: the
-environment :class:`primerl_kv_mooncake.store.MooncakeStore` reads). The launcher starts
-one per run; tests and benchmarks start their own.
+says it serves, and gives the addresses clients need (:meth:`MooncakeMaster.options`: the
+keywords of :class:`primerl_kv_mooncake.store.MooncakeStore`). The launchers start one per
+run (:func:`run_service`); tests and benchmarks start their own.
 
-    python -m primerl_kv_mooncake.master [--host H]   # prints the env lines, serves until ^C
+    python -m primerl_kv_mooncake.master [--host H]   # prints master=... and metadata=..., serves until ^C
 """
 
 from __future__ import annotations
@@ -30,11 +30,6 @@ from typing import Any
 
 from primerl.children import own_group_and_die_with_parent
 from primerl_kv_mooncake.install import MooncakeUnavailable, master_binary, missing_library_fix
-
-ENV_MASTER = "PRIMERL_MOONCAKE_MASTER"  # host:port of the master's RPC service
-# the transfer engines' metadata: unset is P2PHANDSHAKE (clients exchange it directly); or
-# http://host:port/metadata, this master's HTTP metadata server
-ENV_METADATA = "PRIMERL_MOONCAKE_METADATA"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,15 +95,6 @@ class MooncakeMaster:
         """The HTTP metadata server the transfer engines register with."""
         return f"http://{self.host}:{self.metadata_port}/metadata"
 
-    def env(self) -> dict[str, str]:
-        """What a process needs to reach this master: ``PRIMERL_MOONCAKE_MASTER`` and
-        ``PRIMERL_MOONCAKE_METADATA`` (this master's HTTP metadata server: every client given
-        this environment uses it) for :class:`~primerl_kv_mooncake.store.MooncakeStore`, and
-        ``MOONCAKE_MASTER``, which the vLLM backend writes into its Mooncake connector's config.
-        :func:`main` prints them in this order, ``PRIMERL_MOONCAKE_METADATA`` last: a launcher
-        that reads the output may take that line for "serving"."""
-        return {ENV_MASTER: self.address, "MOONCAKE_MASTER": self.address, ENV_METADATA: self.metadata_url}
-
     def command(self) -> list[str]:
         return [
             master_binary(),
@@ -161,6 +147,13 @@ class MooncakeMaster:
     def describe(self) -> str:
         return f"Mooncake master at {self.address} (log: {self.log})"
 
+    def options(self) -> dict[str, str]:
+        """What every store of the run needs to reach this master (``MooncakeStore``'s keywords,
+        its ``[inference.kv_store_options]``): its address and its HTTP metadata server (every
+        client given these uses it). :func:`main` prints them as ``key=value`` lines in this
+        order, ``metadata`` last: a launcher that reads the output may take it for "serving"."""
+        return {"master": self.address, "metadata": self.metadata_url}
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the master and its process group (SIGTERM, then SIGKILL)."""
         if self.proc is None or self.proc.poll() is not None:
@@ -181,10 +174,11 @@ class MooncakeMaster:
         self.stop()
 
 
-def run_service(cfg: Any, run_dir: Any, env: dict[str, str]) -> MooncakeMaster | None:
+def run_service(cfg: Any, run_dir: Any) -> MooncakeMaster | None:
     """The store's run service (:class:`primerl.kv_stores.KVStoreCapabilities`): a master for
-    the run, logging to ``logs/mooncake.log``, unless ``env`` names one already."""
-    if env.get(ENV_MASTER):
+    the run, logging to ``logs/mooncake.log``, unless ``inference.kv_store_options`` names
+    one (``master``)."""
+    if cfg.inference.kv_store_options.get("master"):
         return None
     return MooncakeMaster(log=run_dir.logs / "mooncake.log").start()
 
@@ -202,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics-port", type=int, default=0)
     a = p.parse_args(argv)
     master = start_master(a.host, rpc_port=a.rpc_port, metadata_port=a.metadata_port, metrics_port=a.metrics_port)
-    for k, v in master.env().items():
+    for k, v in master.options().items():
         print(f"{k}={v}", flush=True)
     try:
         master.proc.wait()

@@ -17,38 +17,36 @@ Stale KV: block keys carry the policy version, so after a weight update every se
 misses the old blocks (Mooncake evicts them as the pool fills); a sequence that ran across
 an update is never written (``current_weights_only``).
 
-Settings (constructor arguments; each defaults to an environment variable, then a value):
+Settings: the constructor's keyword arguments, ``[inference.kv_store_options]`` (typed config
+keys, compared on resume); what a launcher's run service discovers (the master it started)
+comes through the run-time record (:mod:`primerl.runtime`) on top of them:
 
-* ``master`` (``PRIMERL_MOONCAKE_MASTER``, else ``MOONCAKE_MASTER`` as the vLLM backend's
-  Mooncake connector reads it; required): ``host:port`` of the master's RPC service;
-  :mod:`primerl_kv_mooncake.master` starts a master and gives its address.
-* ``metadata`` (``PRIMERL_MOONCAKE_METADATA``, default ``P2PHANDSHAKE``: clients exchange
-  their transfer metadata directly, no metadata server): or the master's HTTP metadata
-  server, ``http://host:port/metadata`` (:attr:`~primerl_kv_mooncake.master.MooncakeMaster.metadata_url`).
-  Every client of one pool must use the same: a P2P client cannot read an HTTP one's memory.
-* ``local_host`` (``PRIMERL_MOONCAKE_LOCAL_HOST``, default 127.0.0.1 when the master is on
-  this machine, else this host's name): the address other clients reach this one at.
-* ``segment_bytes`` (``PRIMERL_MOONCAKE_SEGMENT_BYTES``, default 4 GiB): memory this server
-  lends the pool (allocated as it fills); ``buffer_bytes`` (``PRIMERL_MOONCAKE_BUFFER_BYTES``,
-  default 256 MiB): its transfer buffer (one get or put moves at most this much).
-* ``protocol`` (``PRIMERL_MOONCAKE_PROTOCOL``, default ``tcp``; ``rdma`` with ``device``).
-* ``block_size`` (``PRIMERL_KV_BLOCK_SIZE``, default 64 tokens).
-* ``namespace`` (``PRIMERL_KV_NAMESPACE``, default empty): prepended to every key, for runs
-  that share one master (the run's name).
+* ``master`` (required): ``host:port`` of the master's RPC service; the launchers start one
+  per run (:func:`primerl_kv_mooncake.master.run_service`) unless this names one.
+* ``metadata`` (default ``P2PHANDSHAKE``: clients exchange their transfer metadata directly,
+  no metadata server): or the master's HTTP metadata server, ``http://host:port/metadata``
+  (:attr:`~primerl_kv_mooncake.master.MooncakeMaster.metadata_url`). Every client of one pool
+  must use the same: a P2P client cannot read an HTTP one's memory.
+* ``local_host`` (default 127.0.0.1 when the master is on this machine, else this host's
+  name): the address other clients reach this one at.
+* ``segment_bytes`` (default 4 GiB): memory this server lends the pool (allocated as it
+  fills); ``buffer_bytes`` (default 256 MiB): its transfer buffer (one get or put moves at
+  most this much).
+* ``protocol`` (default ``tcp``; ``rdma`` with ``device``).
+* ``block_size`` (default 64 tokens).
+* ``namespace`` (default empty): prepended to every key, for runs that share one master.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import urllib.parse
 import weakref
 from collections.abc import Sequence
 
 from primerl.kv_memory import MemoryStore
-from primerl.kv_stores import KVBlock, TieredKVStore, decode_block, encode_block, env_int
+from primerl.kv_stores import KVBlock, TieredKVStore, decode_block, encode_block
 from primerl_kv_mooncake.install import MooncakeUnavailable, import_store
-from primerl_kv_mooncake.master import ENV_MASTER, ENV_METADATA
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_SEGMENT_BYTES = 4 << 30
@@ -69,7 +67,7 @@ class MooncakeBlocks:
         store_cls = import_store()
         self.block_size, self.buffer_bytes = block_size, buffer_bytes
         self.master, self.metadata = master, metadata
-        hint = f"is a master serving there? `python -m primerl_kv_mooncake.master` starts one and prints {ENV_MASTER}"
+        hint = "is a master serving there? `python -m primerl_kv_mooncake.master` starts one and prints its address"
         checks = [("master", master)]
         if metadata.startswith("http"):
             checks.append(("metadata server", urllib.parse.urlsplit(metadata).netloc))
@@ -154,24 +152,21 @@ class MooncakeStore(TieredKVStore):
     def __init__(self, master: str | None = None, metadata: str | None = None, *, local_host: str | None = None,
                  segment_bytes: int | None = None, buffer_bytes: int | None = None, protocol: str | None = None,
                  device: str = "", block_size: int | None = None, namespace: str | None = None) -> None:
-        master = master or os.environ.get(ENV_MASTER) or os.environ.get("MOONCAKE_MASTER")
         if not master:
             raise MooncakeUnavailable(
-                f"the mooncake KV store needs a Mooncake master: set {ENV_MASTER}=host:port "
-                f"(`python -m primerl_kv_mooncake.master` starts one and prints it)")
+                "the mooncake KV store needs a Mooncake master: start the run with a launcher (it starts one), or "
+                "set inference.kv_store_options.master = \"host:port\" (`python -m primerl_kv_mooncake.master` "
+                "starts one and prints it)")
         host = master.rsplit(":", 1)[0]
-        metadata = metadata or os.environ.get(ENV_METADATA) or "P2PHANDSHAKE"
+        metadata = metadata or "P2PHANDSHAKE"
         if local_host is None:
-            local_host = os.environ.get("PRIMERL_MOONCAKE_LOCAL_HOST") or (
-                "127.0.0.1" if _is_local(host) else socket.gethostname())
+            local_host = "127.0.0.1" if _is_local(host) else socket.gethostname()
         self.pool_blocks = MooncakeBlocks(
-            master, metadata, local_host=local_host,
-            segment_bytes=segment_bytes or env_int("PRIMERL_MOONCAKE_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES),
-            buffer_bytes=buffer_bytes or env_int("PRIMERL_MOONCAKE_BUFFER_BYTES", DEFAULT_BUFFER_BYTES),
-            protocol=protocol or os.environ.get("PRIMERL_MOONCAKE_PROTOCOL") or "tcp", device=device,
-            block_size=block_size or env_int("PRIMERL_KV_BLOCK_SIZE", DEFAULT_BLOCK_SIZE),
+            master, metadata, local_host=local_host, segment_bytes=segment_bytes or DEFAULT_SEGMENT_BYTES,
+            buffer_bytes=buffer_bytes or DEFAULT_BUFFER_BYTES, protocol=protocol or "tcp", device=device,
+            block_size=block_size or DEFAULT_BLOCK_SIZE,
         )
-        namespace = namespace if namespace is not None else os.environ.get("PRIMERL_KV_NAMESPACE", "")
+        namespace = namespace or ""
         super().__init__(MemoryStore(), self.pool_blocks, write_through=True, namespace=namespace)
 
     def close(self) -> None:

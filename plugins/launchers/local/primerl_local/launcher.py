@@ -12,8 +12,8 @@ is refused (a finished run, another config).
 Replicas: ``inference.replicas`` N > 1 starts N inference servers, ``inference-<i>``
 (logs ``logs/inference-<i>.log``), each ``primerl inference @ config.toml
 --inference.port P`` on its own port: ``inference.port + i`` when free, else a free one.
-The ports picked are written into the config as ``inference.urls``, which is where the
-orchestrator and the trainer find the servers. The orchestrator survives a server that
+The URLs of the ports picked go into the run-time record (``OUT/runtime.json``,
+:mod:`primerl.runtime`), which is where the orchestrator and the trainer find the servers. The orchestrator survives a server that
 dies (its requests are re-sent to the others), so one inference process exiting is shown
 and the run goes on: the launcher starts it again on its port, up to
 ``inference.max_restarts`` times per server, and the orchestrator readmits it with the
@@ -23,15 +23,14 @@ the run.
 
 Prefill/decode: ``inference.prefill_replicas`` P and ``decode_replicas`` D (both set) start
 P servers ``inference-prefill-<i>`` and D servers ``inference-decode-<j>`` instead, each with
-``--inference.role`` after its port; their URLs go into the config as
-``inference.prefill_urls`` and ``decode_urls`` (``inference.urls``: all of them, prefill
-first).
+``--inference.role`` after its port; the run-time record lists each pool's URLs.
 
 The KV store's run service, when it declares one
 (:class:`primerl.kv_stores.KVStoreCapabilities`), starts before the servers and stops
 after them: Mooncake's master for ``mooncake``; for ``disk`` under prefill/decode, one block
 directory for every server, the run's ``kv/``, through which prefill servers hand prompts'
-KV to decode servers. What it needs reaching is in every child's environment.
+KV to decode servers. The options it sets (the master's address, the folder) go into the
+run-time record too, and every server's store gets them.
 
 No orphans, whatever happens: each child runs in its own process group (so its own
 children go with it) and asks the kernel to SIGTERM it if the launcher dies. On Ctrl-C,
@@ -59,6 +58,7 @@ from primerl.errors import PrimerlError
 from primerl.launchers import pick_ports
 from primerl.resume import prepare_run
 from primerl.rundir import RunDir
+from primerl.runtime import RunTime
 from primerl.runview import summarize
 
 CHILDREN = ("inference", "orchestrator", "trainer")  # kinds of child; inference may be N replicas
@@ -86,14 +86,13 @@ def inference_roles(cfg: RunConfig) -> list[str | None]:
     return [None] * len(inference_names(cfg))
 
 
-def set_inference_urls(cfg: RunConfig, ports: list[int]) -> None:
-    """Write the servers' URLs into ``cfg`` (``inference.urls``; with prefill/decode also
-    ``prefill_urls`` and ``decode_urls``), where the orchestrator and trainer find them."""
-    inf = cfg.inference
-    inf.port = ports[0]
-    inf.urls = [f"http://{inf.host}:{p}" for p in ports]
-    if inf.disaggregated():
-        inf.prefill_urls, inf.decode_urls = inf.urls[: inf.prefill_replicas], inf.urls[inf.prefill_replicas:]
+def run_time(cfg: RunConfig, ports: list[int], kv_store_options: dict[str, Any]) -> RunTime:
+    """What this launch discovered: the servers' URLs (with prefill/decode, each pool's) and
+    the KV store service's options."""
+    urls = tuple(f"http://{cfg.inference.host}:{p}" for p in ports)
+    n = cfg.inference.prefill_replicas if cfg.inference.disaggregated() else 0
+    return RunTime(inference_urls=urls, prefill_urls=urls[:n], decode_urls=urls[n:] if n else (),
+                   kv_store_options=kv_store_options)
 
 
 def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None = None,
@@ -113,17 +112,16 @@ def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None =
     return [sys.executable, *cmd]
 
 
-def start_run_service(cfg: RunConfig, run_dir: RunDir, env: dict[str, str]) -> Any:
+def start_run_service(cfg: RunConfig, run_dir: RunDir) -> Any:
     """What the run's KV store needs set up once before its servers start (its declared
     ``run_service``: Mooncake's master, the disk store's shared folder under prefill/decode),
-    started and its settings put in ``env``, which every child gets; the caller stops it.
-    None when the store declares none or the run needs none."""
+    started; the caller puts its options in the run-time record and stops it. None when the
+    store declares none or the run needs none."""
     from primerl.registry import get_registry, load_target
 
     target = get_registry().capabilities("kv_store", cfg.inference.kv_store).run_service
-    service = load_target(target)(cfg, run_dir, env) if target else None
+    service = load_target(target)(cfg, run_dir) if target else None
     if service is not None:
-        env.update(service.env())
         said = service.describe()
         if said:
             print(said, flush=True)
@@ -161,7 +159,6 @@ class LocalLauncher:
             raise PrimerlError(f"{key} ({port}) fixes a port of each inference server, which {len(names)} servers on "
                                f"this machine cannot share: leave it 0 (a free port each)")
         ports = pick_ports(cfg.inference.host, cfg.inference.port, len(names))
-        set_inference_urls(cfg, ports)
         cfg.output_dir = str(out)
         run_dir.config.write_text(dump_toml(to_dict(cfg)))
 
@@ -178,7 +175,8 @@ class LocalLauncher:
         view = LiveView(cfg, run_dir)
         service = None
         try:
-            service = start_run_service(cfg, run_dir, env)
+            service = start_run_service(cfg, run_dir)
+            run_time(cfg, ports, service.options() if service is not None else {}).write(run_dir)
             children = [(name, "inference", port, role)
                         for name, port, role in zip(names, ports, inference_roles(cfg))]
             children += [(kind, kind, None, None) for kind in CHILDREN if kind != "inference"]

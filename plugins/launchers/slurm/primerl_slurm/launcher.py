@@ -19,7 +19,7 @@ role chained with dependencies:
   everything; nothing is left queued when a role dies (dependent jobs would be);
 * the addresses (inference URLs, the trainer's rendezvous, the Mooncake master) exist only
   once nodes are allocated. The batch script sees every node at once and writes them for
-  the processes (``OUT/slurm/job-<id>.toml``) before starting any; separate jobs would
+  the processes (the run-time record, ``OUT/runtime.json``) before starting any; separate jobs would
   have to find each other through files while queued at different times;
 * one node is the same job: all roles on it as overlapping steps (``srun --overlap``).
   Components of a heterogeneous job are separate allocations, which cannot share a node.

@@ -9,14 +9,15 @@ With one node every role is on it. The batch script runs on the job's first node
 
 1. lists the nodes (``scontrol show hostnames``) and places the roles on them;
 2. picks the inference servers' ports (fixed ``inference.port + i`` on nodes of their own;
-   on a one-node job, free ones, as the local launcher does) and writes their URLs to
-   ``OUT/slurm/job-<id>.toml`` (``[inference] urls``, and ``prefill_urls`` /
-   ``decode_urls`` with prefill/decode), which every process reads after
-   ``OUT/config.toml`` (the orchestrator spreads requests over ``inference.urls``; the
-   trainer sends NCCL weights to them);
+   on a one-node job, free ones, as the local launcher does);
 3. starts the steps, all ``srun --overlap`` (steps on a shared node share its CPUs): the
    Mooncake master on the first node when ``inference.kv_store = "mooncake"`` (first, and
-   waited for: it prints the addresses the servers need, exported to the later steps), the
+   waited for: it prints the addresses the servers need); then it writes what the job
+   discovered into the run-time record ``OUT/runtime.json`` (:mod:`primerl.runtime`: the
+   servers' URLs, each pool's with prefill/decode, and the KV store's options — the
+   master's addresses, or the job's shared ``disk`` folder), which every process reads
+   beside ``OUT/config.toml`` (the orchestrator spreads requests over the servers, the
+   trainer sends NCCL weights to them), and starts the
    inference servers (spread evenly; ``primerl inference`` each, with its port and, with
    prefill/decode, its ``inference.role``), the orchestrator (its env workers are its
    children), and the trainer (torchrun on every trainer node, a c10d rendezvous on the
@@ -35,6 +36,7 @@ Logs: ``OUT/logs/slurm-<id>.out`` (the batch script), ``inference.log`` (or
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -91,6 +93,11 @@ class Layout:
                 f"{self.trainer_nodes * nproc} ranks), the orchestrator on {orch}")
 
 
+def _dq(text: str) -> str:
+    """``text`` escaped for a bash double-quoted string."""
+    return "".join("\\" + c if c in '\\"$`' else c for c in text)
+
+
 def layout(cfg: RunConfig) -> Layout:
     """The placement ``cfg`` asks for; ``ValueError`` names the keys of one that cannot be."""
     lc, inf = cfg.launcher, cfg.inference
@@ -139,7 +146,7 @@ def batch_script(cfg: RunConfig, run_dir: RunDir, lay: Layout, cwd: Path) -> str
     mooncake = inf.kv_store == "mooncake"
     nl = "\n"
     if lay.shared:
-        ports = f'mapfile -t PORTS < <("$PRIMERL_PY" -m primerl_slurm.ports {_q(inf.host)} {inf.port} {lay.per_node})'
+        ports = f'mapfile -t PORTS < <("$JOB_PY" -m primerl_slurm.ports {_q(inf.host)} {inf.port} {lay.per_node})'
         url_host = f"[{inf.host}]" if ":" in inf.host else inf.host
         if not all(c.isalnum() or c in ".-_[]:" for c in url_host):
             raise ValueError(f"inference.host {inf.host!r} is not a host name or an IP address")
@@ -153,10 +160,19 @@ def batch_script(cfg: RunConfig, run_dir: RunDir, lay: Layout, cwd: Path) -> str
         threads = "BASE=${PRIMERL_THREADS:-$CPUS}  # every role has its nodes to itself"
     trainer_log = "trainer.log" if lay.trainer_nodes == 1 else "trainer-%n.log"
     pd_urls = "" if not lay.prefill else (
-        f'  echo "prefill_urls = [$(join "${{URLS[@]:0:{lay.prefill}}}")]"\n'
-        f'  echo "decode_urls = [$(join "${{URLS[@]:{lay.prefill}}}")]"\n')
-    disk = ('export PRIMERL_KV_DISK_DIR=${PRIMERL_KV_DISK_DIR:-' + _q(run_dir.root / "kv") + '/disk-$SLURM_JOB_ID}'
-            '  # the disk KV store: one directory every server shares' if inf.kv_store == "disk" else "")
+        f'  printf \', "prefill_urls": [%s]\' "$(join "${{URLS[@]:0:{lay.prefill}}}")"\n'
+        f'  printf \', "decode_urls": [%s]\' "$(join "${{URLS[@]:{lay.prefill}}}")"\n')
+    # what the KV store needs from the job (the run-time record's kv_store_options): the
+    # Mooncake master it starts, or one directory every server of the job shares
+    if mooncake:
+        store = 'KV_OPTIONS="\\"master\\": \\"$MOONCAKE_MASTER\\", \\"metadata\\": \\"$MOONCAKE_METADATA\\""'
+    elif inf.kv_store == "disk" and "root" not in inf.kv_store_options:
+        folder = _dq(json.dumps(f"{run_dir.root / 'kv'}/disk-")[:-1])  # "...disk- (the job id and the quote follow)
+        shared = ', \\"shared\\": true' if lay.prefill else ""
+        store = f'KV_OPTIONS="\\"root\\": {folder}$SLURM_JOB_ID\\"{shared}"  # one directory every server shares'
+    else:
+        store = 'KV_OPTIONS=""'
+
     inference_log = "inference.log" if lay.servers == 1 else "inference-%t.log"
     header = sbatch_header(cfg, run_dir, cwd)
     return f"""#!/bin/bash
@@ -167,9 +183,9 @@ def batch_script(cfg: RunConfig, run_dir: RunDir, lay: Layout, cwd: Path) -> str
 # Submitting it again (sbatch {slurm / BATCH}) resumes the run from its newest checkpoint.
 set -uo pipefail
 
-export PRIMERL_PY={_q(sys.executable)}
-export PRIMERL_CONFIG={_q(run_dir.config)}
-export PRIMERL_JOB_TOML={_q(slurm)}/job-$SLURM_JOB_ID.toml
+export JOB_PY={_q(sys.executable)}
+export JOB_CONFIG={_q(run_dir.config)}
+RUNTIME={_q(run_dir.runtime)}
 export PYTHONUNBUFFERED=1
 SLURM_DIR={_q(slurm)}
 LOGS={_q(run_dir.logs)}
@@ -199,7 +215,7 @@ trap 'finish 143 job "the job was cancelled (SIGTERM)"' TERM
 trap 'finish 130 job "the job was interrupted (SIGINT)"' INT
 
 # a requeued job continues from the newest usable checkpoint: what came after it is set aside
-"$PRIMERL_PY" -m primerl.resume {_q(str(run_dir.root))} --keep "logs/slurm-$SLURM_JOB_ID.out" \
+"$JOB_PY" -m primerl.resume {_q(str(run_dir.root))} --keep "logs/slurm-$SLURM_JOB_ID.out" \
   || finish 2 job "the run directory could not be prepared to resume (its log: logs/slurm-$SLURM_JOB_ID.out)"
 
 # the nodes, and the roles on them
@@ -214,24 +230,18 @@ CPUS=${{SLURM_CPUS_ON_NODE:-$(nproc)}}
 threads() {{ local t=$(( BASE / $1 )); echo $(( t > 0 ? t : 1 )); }}
 cpus() {{ local c=$(( CPUS / $1 )); echo $(( c > 0 ? c : 1 )); }}
 
-# the inference servers' addresses, for every process: OUT/slurm/job-<id>.toml
+# the inference servers' addresses
 {ports}
 [ "${{#PORTS[@]}}" -eq {lay.per_node} ] || finish 1 job "could not pick {lay.per_node} port(s) for the inference servers"
 URLS=()
 for ((i = 0; i < {lay.servers}; i++)); do
   URLS+=("\\"http://{url_host}:${{PORTS[i % {lay.per_node}]}}\\"")
 done
-{{
-  echo "# job $SLURM_JOB_ID: its inference servers, read by every process after config.toml"
-  echo "[inference]"
-  echo "urls = [$(join "${{URLS[@]}}")]"
-{pd_urls}}} > "$PRIMERL_JOB_TOML.tmp" && mv -f "$PRIMERL_JOB_TOML.tmp" "$PRIMERL_JOB_TOML"
-export PRIMERL_PORTS="${{PORTS[*]}}" PRIMERL_BIND={_q(bind)} PRIMERL_SERVER_ROLES={_q(' '.join(lay.roles))}
-export PRIMERL_UP_DIR="$SLURM_DIR/job-$SLURM_JOB_ID.up"  # a file per inference server running now
-mkdir -p "$PRIMERL_UP_DIR"
-{disk}
-export PRIMERL_RDZV="${{TRAINER_HOSTS[0]}}:{cfg.launcher.rdzv_port}"
-export PRIMERL_MOONCAKE_HOST={_q(inf.host) if lay.shared else '"$HEAD"'}
+export JOB_PORTS="${{PORTS[*]}}" JOB_BIND={_q(bind)} JOB_SERVER_ROLES={_q(' '.join(lay.roles))}
+export JOB_UP_DIR="$SLURM_DIR/job-$SLURM_JOB_ID.up"  # a file per inference server running now
+mkdir -p "$JOB_UP_DIR"
+export JOB_RDZV="${{TRAINER_HOSTS[0]}}:{cfg.launcher.rdzv_port}"
+export JOB_MOONCAKE_HOST={_q(inf.host) if lay.shared else '"$HEAD"'}
 say "job $SLURM_JOB_ID on ${{HOSTS[*]}}; inference $(join "${{URLS[@]}}")"
 
 # launch ROLE HOSTS TASKS_PER_NODE OUTPUT: one srun step running OUT/slurm/ROLE.sh in every task
@@ -256,6 +266,12 @@ ended() {{
 }}
 
 {MOONCAKE_WAIT if mooncake else '# no Mooncake master: inference.kv_store is ' + _q(inf.kv_store)}
+# what the job discovered, for every process: the run-time record OUT/runtime.json
+{store}
+{{
+  printf '{{"format": "primerl.runtime", "version": 1, "inference_urls": [%s]' "$(join "${{URLS[@]}}")"
+{pd_urls}  printf ', "kv_store_options": {{%s}}}}\\n' "$KV_OPTIONS"
+}} > "$RUNTIME.tmp" && mv -f "$RUNTIME.tmp" "$RUNTIME"
 launch inference "$(join "${{INFERENCE_HOSTS[@]}}")" {lay.per_node} {inference_log}
 launch orchestrator "$HEAD" 1 orchestrator.log
 launch trainer "$(join "${{TRAINER_HOSTS[@]}}")" 1 {trainer_log}  # torchrun starts trainer.nproc ranks a node
@@ -280,31 +296,30 @@ done
 
 
 # the Mooncake master first: the servers connect to it as they start. It prints the
-# addresses clients need (PRIMERL_MOONCAKE_MASTER, PRIMERL_MOONCAKE_METADATA) once it serves;
-# vLLM's MooncakeStoreConnector reads MOONCAKE_MASTER.
+# addresses clients need (master=..., metadata=...) once it serves; they go into the run-time
+# record (the mooncake store's options, and vLLM's Mooncake connector's).
 MOONCAKE_WAIT = """launch mooncake "$HEAD" 1 mooncake.log
 for _ in $(seq 240); do
-  grep -q '^PRIMERL_MOONCAKE_METADATA=' "$LOGS/mooncake.log" 2>/dev/null && break
+  grep -q '^metadata=' "$LOGS/mooncake.log" 2>/dev/null && break
   ended mooncake && finish "$(( RC ? RC : 1 ))" mooncake "the Mooncake master exited with code $RC before serving"
   sleep 0.5
 done
-grep -q '^PRIMERL_MOONCAKE_METADATA=' "$LOGS/mooncake.log" || finish 1 mooncake "the Mooncake master did not serve within 120 s"
+grep -q '^metadata=' "$LOGS/mooncake.log" || finish 1 mooncake "the Mooncake master did not serve within 120 s"
 while IFS='=' read -r key value; do
-  case $key in PRIMERL_MOONCAKE_MASTER|PRIMERL_MOONCAKE_METADATA) export "$key=$value" ;; esac
+  case $key in master) MOONCAKE_MASTER=$value ;; metadata) MOONCAKE_METADATA=$value ;; esac
 done < "$LOGS/mooncake.log"
-export MOONCAKE_MASTER=$PRIMERL_MOONCAKE_MASTER
-say "Mooncake master at $PRIMERL_MOONCAKE_MASTER"
+say "Mooncake master at $MOONCAKE_MASTER"
 """
 
 
 # An inference task runs its server again on its port when it exits while another server of
-# the job serves (each running server holds a file in PRIMERL_UP_DIR), up to
+# the job serves (each running server holds a file in JOB_UP_DIR), up to
 # inference.max_restarts times, as the local launcher does: the orchestrator re-sends the lost
 # requests and readmits the server with the current weights once /health answers. A server
 # that stops cleanly, is stopped (SIGTERM/SIGINT: the job ends), exits on a config error (2)
 # or is the last one up is not restarted; the batch script ends the job when every server
 # has exited.
-RESTARTING_SERVER = """up="$PRIMERL_UP_DIR/$SLURM_PROCID"
+RESTARTING_SERVER = """up="$JOB_UP_DIR/$SLURM_PROCID"
 restarts=0
 while :; do
   touch "$up"
@@ -314,7 +329,7 @@ while :; do
   rc=0
   wait "$pid" || rc=$?
   rm -f "$up"
-  serving=$(find "$PRIMERL_UP_DIR" -type f | wc -l)
+  serving=$(find "$JOB_UP_DIR" -type f | wc -l)
   case $rc in 0 | 2 | 130 | 143) exit "$rc" ;; esac
   if [ "$restarts" -ge {max_restarts} ] || [ "$serving" -eq 0 ]; then exit "$rc"; fi
   restarts=$(( restarts + 1 ))
@@ -324,30 +339,30 @@ done"""
 
 def role_scripts(cfg: RunConfig, lay: Layout) -> dict[str, str]:
     """``OUT/slurm/<role>.sh``: what each task of a role's step runs (the batch script
-    exports ``PRIMERL_*``)."""
+    exports ``JOB_*``: its own plumbing, derived from the config and Slurm, no setting)."""
     head = "#!/bin/bash\n# a task of the job's {role} step (OUT/slurm/primerl.sbatch starts it with srun)\nset -euo pipefail\n"
-    cli = '"$PRIMERL_PY" -m primerl.cli'
-    files = '@ "$PRIMERL_CONFIG" @ "$PRIMERL_JOB_TOML"'
+    cli = '"$JOB_PY" -m primerl.cli'
+    files = '@ "$JOB_CONFIG"'
     nproc = cfg.trainer.nproc
     if lay.trainer_nodes > 1:
-        trainer = (f'exec "$PRIMERL_PY" -m torch.distributed.run --nnodes={lay.trainer_nodes} '
-                   f'--nproc-per-node={nproc} --rdzv-backend=c10d --rdzv-endpoint="$PRIMERL_RDZV" '
+        trainer = (f'exec "$JOB_PY" -m torch.distributed.run --nnodes={lay.trainer_nodes} '
+                   f'--nproc-per-node={nproc} --rdzv-backend=c10d --rdzv-endpoint="$JOB_RDZV" '
                    f'--rdzv-id="$SLURM_JOB_ID" -m primerl.cli trainer {files}')
     elif nproc > 1:
-        trainer = (f'exec "$PRIMERL_PY" -m torch.distributed.run --standalone --nproc-per-node={nproc} '
+        trainer = (f'exec "$JOB_PY" -m torch.distributed.run --standalone --nproc-per-node={nproc} '
                    f'-m primerl.cli trainer {files}')
     else:
         trainer = f"exec {cli} trainer {files}"
     if nproc > 1:  # torchrun's ranks split the task's threads
         trainer = f't=$(( ${{OMP_NUM_THREADS:-{nproc}}} / {nproc} )); export OMP_NUM_THREADS=$(( t > 0 ? t : 1 )) MKL_NUM_THREADS=$(( t > 0 ? t : 1 ))\n' + trainer
-    server = (f'{cli} inference {files} --inference.host "$PRIMERL_BIND" --inference.port "${{ports[$SLURM_LOCALID]}}"'
+    server = (f'{cli} inference {files} --inference.host "$JOB_BIND" --inference.port "${{ports[$SLURM_LOCALID]}}"'
               + (' --inference.role "${roles[$SLURM_PROCID]}"' if lay.prefill else ""))
     scripts = {
         "inference": (
-            "# server SLURM_PROCID of the job's (SLURM_LOCALID of its node's): its port in PRIMERL_PORTS,\n"
-            "# its part (prefill/decode) in PRIMERL_SERVER_ROLES\n"
-            "read -r -a ports <<< \"$PRIMERL_PORTS\"\n"
-            + ("read -r -a roles <<< \"$PRIMERL_SERVER_ROLES\"\n" if lay.prefill else "")
+            "# server SLURM_PROCID of the job's (SLURM_LOCALID of its node's): its port in JOB_PORTS,\n"
+            "# its part (prefill/decode) in JOB_SERVER_ROLES\n"
+            "read -r -a ports <<< \"$JOB_PORTS\"\n"
+            + ("read -r -a roles <<< \"$JOB_SERVER_ROLES\"\n" if lay.prefill else "")
             + RESTARTING_SERVER.format(server=server, max_restarts=cfg.inference.max_restarts)),
         "orchestrator": f"exec {cli} orchestrator {files}",
         "trainer": trainer,
@@ -355,7 +370,7 @@ def role_scripts(cfg: RunConfig, lay: Layout) -> dict[str, str]:
     if cfg.inference.kv_store == "mooncake":  # primerl_kv_mooncake finds the binary and says what is missing
         port = 0 if lay.shared else cfg.launcher.mooncake_port  # one node: free ports; else rpc, metadata, metrics
         ports = "" if not port else f" --rpc-port {port} --metadata-port {port + 1} --metrics-port {port + 2}"
-        scripts["mooncake"] = f'exec "$PRIMERL_PY" -m primerl_kv_mooncake.master --host "$PRIMERL_MOONCAKE_HOST"{ports}'
+        scripts["mooncake"] = f'exec "$JOB_PY" -m primerl_kv_mooncake.master --host "$JOB_MOONCAKE_HOST"{ports}'
     return {role: head.format(role=role) + body + "\n" for role, body in scripts.items()}
 
 

@@ -6,5 +6,5 @@ from primerl import hookimpl
 @hookimpl
 def register_routers(register):
     register("vllm-router", "primerl_vllm_router.router:VllmRouter",
-             description="The vllm-router process in front of the servers (policy cache_aware by default; "
-                         "PRIMERL_VLLM_ROUTER_POLICY, PRIMERL_VLLM_ROUTER_ARGS)")
+             description="The vllm-router process in front of the servers (router_options: policy, default "
+                         "cache_aware; args, more flags)")

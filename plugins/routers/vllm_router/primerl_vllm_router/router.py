@@ -23,10 +23,10 @@ worker; without it they hash the body, a new key every turn). :meth:`VllmRouter.
 gives that header for a :class:`~primerl.routers.Route`; the client sending the request
 must add it. ``cache_aware`` needs no header: it matches the request text.
 
-Settings, in order: constructor keywords; the environment, ``PRIMERL_VLLM_ROUTER_POLICY``
-(a policy name) and ``PRIMERL_VLLM_ROUTER_ARGS`` (more flags, shell-quoted, appended last
-so they override ours: ``"--balance-abs-threshold 8 --health-check-interval-secs 5"``); the
-defaults. It runs with ``--log-level warning`` (it logs every request at ``info``) unless
+Settings: the constructor's keywords, ``[inference.router_options]`` (typed config keys,
+compared on resume): ``policy`` (a policy name) and ``args`` (more flags, a list or a
+shell-quoted string, appended last so they override ours: ``"--balance-abs-threshold 8
+--health-check-interval-secs 5"``); else the defaults. It runs with ``--log-level warning`` (it logs every request at ``info``) unless
 the flags say otherwise. ``vllm-router --help`` lists every flag. See docs/routers.md.
 """
 
@@ -77,10 +77,10 @@ class VllmRouter:
     def __init__(self, *, policy: str | None = None, args: Sequence[str] | str | None = None,
                  binary: str | None = None, host: str = "127.0.0.1", ready_s: float = 60.0,
                  stop_s: float = 10.0) -> None:
-        self.policy = policy or os.environ.get("PRIMERL_VLLM_ROUTER_POLICY") or "cache_aware"
+        self.policy = policy or "cache_aware"
         if self.policy not in POLICIES:
             raise PluginError(f"vllm-router has no policy '{self.policy}'; policies are {', '.join(POLICIES)}")
-        extra = args if args is not None else os.environ.get("PRIMERL_VLLM_ROUTER_ARGS", "")
+        extra = args if args is not None else ""
         self.args = shlex.split(extra) if isinstance(extra, str) else list(extra)
         self.binary, self.host, self.ready_s, self.stop_s = binary, host, ready_s, stop_s
         self.url = ""

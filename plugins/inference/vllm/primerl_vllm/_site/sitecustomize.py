@@ -12,9 +12,10 @@ How: the backend calls :func:`probe` once in its own process before it starts vL
 installed candidate is imported and, if that fails, replaced by ``None`` in
 ``sys.modules``. ``importlib.util.find_spec`` then returns None and ``import`` raises
 ImportError, so transformers and vLLM treat the package as not installed. The names go to
-vLLM's processes in :data:`ENV`, with this directory first on ``PYTHONPATH``: Python runs
-this module at start-up in the API server and in every process it spawns (engine core,
-workers, compile workers), and it hides the same names there. Nothing is imported at
+vLLM's processes in a file beside a copy of this module (:func:`install`: ``HIDDEN`` in a
+folder of the run's, first on ``PYTHONPATH``): Python runs this module at start-up in the API
+server and in every process it spawns (engine core, workers, compile workers), and it hides
+the same names there. No environment variable carries them. Nothing is imported at
 start-up (importing torch here would run before vLLM's ``env_override``, which must come
 first). Any other ``sitecustomize`` further on the path runs afterwards, as it would have.
 """
@@ -26,9 +27,29 @@ import importlib.util
 import os
 import sys
 
-ENV = "PRIMERL_HIDE_MODULES"  # comma-separated names to hide
+HIDDEN = "hidden_modules.txt"  # beside this module: the names to hide, one a line
 CANDIDATES = ("torchvision", "torchcodec", "torchaudio")
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def install(folder: str, names: list[str] | tuple[str, ...]) -> str:
+    """This module and the names to hide, written into ``folder`` (put it first on vLLM's
+    ``PYTHONPATH``); returns the folder."""
+    import shutil
+
+    os.makedirs(folder, exist_ok=True)
+    shutil.copyfile(os.path.abspath(__file__), os.path.join(folder, "sitecustomize.py"))
+    with open(os.path.join(folder, HIDDEN), "w") as fh:
+        fh.write("".join(f"{n}\n" for n in names))
+    return folder
+
+
+def _hidden_names() -> list[str]:
+    try:
+        with open(os.path.join(HERE, HIDDEN)) as fh:
+            return [line.strip() for line in fh if line.strip()]
+    except OSError:
+        return []
 
 
 def hide(names: list[str] | tuple[str, ...]) -> None:
@@ -70,5 +91,5 @@ def _chain() -> None:
 
 
 if __name__ == "sitecustomize":  # Python's start-up, not an import by the backend
-    hide(tuple(n for n in os.environ.get(ENV, "").split(",") if n))
+    hide(_hidden_names())
     _chain()
