@@ -155,3 +155,47 @@ def test_no_primerl_variable_but_the_allowed_ones_is_read_or_set():
                 named.setdefault(name, str(path.relative_to(REPO)))
     assert {n: where for n, where in named.items() if n not in ALLOWED_ENV} == {}
     assert "PRIMERL_API_KEY" in named and "PRIMERL_THREADS" in named  # the scan reads what it should
+
+
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, whitespace-normalized text) of a file's code lines: no blank or comment
+    lines, no imports, no bare brackets."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        text = " ".join(line.split())
+        if text and not text.startswith(("#", "import ", "from ")) and text not in (")", "]", "}", "):", '"""'):
+            out.append((n, text))
+    return out
+
+
+def repeated_runs(a: list[Path], b: list[Path], size: int = 6) -> list[str]:
+    """Runs of ``size`` identical code lines found both in a file of ``a`` and one of ``b``."""
+    seen: dict[tuple[str, ...], str] = {}
+    for path in a:
+        lines = _code_lines(path)
+        for i in range(len(lines) - size + 1):
+            seen.setdefault(tuple(t for _, t in lines[i:i + size]), f"{_where(path)}:{lines[i][0]}")
+    hits = []
+    for path in b:
+        lines = _code_lines(path)
+        for i in range(len(lines) - size + 1):
+            key = tuple(t for _, t in lines[i:i + size])
+            if key in seen:
+                hits.append(f"{seen[key]} ~ {_where(path)}:{lines[i][0]}")
+    return hits
+
+
+def test_the_two_inference_backends_repeat_no_block_of_six_lines():
+    """The serving front is written once (primerl.serving.front): each backend is only its
+    generator."""
+    embedded = sorted((PLUGINS / "inference" / "embedded").rglob("*.py"))
+    vllm = sorted((PLUGINS / "inference" / "vllm").rglob("*.py"))
+    assert embedded and vllm
+    assert repeated_runs(embedded, vllm) == []
+
+
+def test_the_repeat_check_finds_a_repeat(tmp_path):
+    body = "".join(f"x{i} = compute({i}, 'a')\n" for i in range(7))
+    (tmp_path / "a.py").write_text("def f():\n" + body)
+    (tmp_path / "b.py").write_text("import os\n\n" + body)
+    assert len(repeated_runs([tmp_path / "a.py"], [tmp_path / "b.py"])) == 2

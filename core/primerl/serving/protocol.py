@@ -37,12 +37,15 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     return_routed_experts: bool = False
+    # prefill/decode disaggregation (vLLM's): {"do_remote_decode": true} asks for the prefill
+    # phase, the prefill's answer for the decode phase (primerl.serving.front)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stream")
     @classmethod
     def _no_stream(cls, v: bool) -> bool:
         if v:
-            raise ValueError("streaming is not supported by the embedded engine; set stream=false")
+            raise ValueError("streaming is not supported by primerl's inference API; set stream=false")
         return v
 
     def stop_list(self) -> list[str]:

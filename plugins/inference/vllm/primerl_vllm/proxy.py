@@ -28,8 +28,9 @@ version it starts under as its ``cache_salt``, so a request started after an upd
 reuses prefix KV computed by older weights (requests already running keep theirs, as with
 the embedded engine). docs/vllm.md states the guarantee.
 
-Requests are validated with the embedded backend's request models, so both backends accept
-and refuse the same bodies; vLLM's own 4xx errors pass through in OpenAI's shape.
+Every endpoint is the one serving front's (:mod:`primerl.serving.front`): :class:`Proxy` is
+its generator, so both backends accept and refuse the same bodies and answer in the same
+shape; vLLM's own 4xx errors pass through in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -40,21 +41,19 @@ import io
 import json
 import re
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, field_validator
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 
 from primerl import inference as api
-from primerl.envs.multiturn import split_tool_calls
 from primerl.serving import protocol
-from primerl.serving.frontend import Guard, TokenizerFrontend, error
+from primerl.serving.front import Generation, Refused, Sampling, prometheus
+from primerl.serving.front import create_app as front_app
+from primerl.serving.frontend import error
 from primerl_vllm.weight_transfer import NCCL_MARKER, PREFIX
 
 GENERATE = "/inference/v1/generate"
@@ -67,24 +66,6 @@ SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "n
               "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts",
               "num_local_experts", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "q_lora_rank",
               "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-
-
-def _no_stream(v: bool) -> bool:
-    if v:
-        raise ValueError("streaming is not supported by primerl's inference API; set stream=false")
-    return v
-
-
-class CompletionRequest(protocol.CompletionRequest):
-    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _no_stream(v)))
-
-
-class ChatCompletionRequest(protocol.ChatCompletionRequest):
-    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _no_stream(v)))
-
-
-class ChatTokensRequest(protocol.ChatTokensRequest):
-    _no_stream = field_validator("stream")(classmethod(lambda cls, v: _no_stream(v)))
 
 
 class NcclInitRequest(BaseModel):
@@ -117,12 +98,18 @@ class UpstreamError(Exception):
 
 
 def upstream_error(exc: UpstreamError) -> JSONResponse:
+    return refused(exc).response()
+
+
+def refused(exc: UpstreamError) -> Refused:
+    """vLLM's refusal (or failure) as the front's: its own OpenAI-shaped error as it is."""
     body = exc.body
     if isinstance(body, dict) and isinstance(body.get("error"), dict):  # vLLM's OpenAI-shaped error
-        return JSONResponse(status_code=exc.status, content=body)
+        e = body["error"]
+        return Refused(exc.status, str(e.get("message")), e.get("param"), kind=e.get("type") or "invalid_request_error")
     message = body.get("detail") if isinstance(body, dict) else body
     status = exc.status if 400 <= exc.status < 500 else 502
-    return error(status, f"vLLM: {message}", kind="invalid_request_error" if status < 500 else "upstream_error")
+    return Refused(status, f"vLLM: {message}", kind="invalid_request_error" if status < 500 else "upstream_error")
 
 
 def expand_versions(spans: list[dict[str, Any]] | None, n: int, fallback: int) -> list[int]:
@@ -166,8 +153,11 @@ def prometheus_value(text: str, name: str) -> float:
     return total
 
 
-class Proxy(TokenizerFrontend):
-    """The endpoints of one primerl server in front of one vLLM server."""
+class Proxy:
+    """One vLLM server as the serving front's :class:`~primerl.serving.front.Generator`: the
+    front answers the endpoints, this turns them into vLLM calls (and the NCCL routes)."""
+
+    serves_phases = False  # vLLM hands KV between servers with its own connectors
 
     def __init__(self, upstream: str, tokenizer: Any, model_name: str, *, max_model_len: int,
                  served_config: dict[str, Any], moe_layout: dict[str, Any], version: int = 0,
@@ -232,7 +222,7 @@ class Proxy(TokenizerFrontend):
         except ValueError:
             return r.text
 
-    async def generate(self, prompt_ids: list[int], sampling: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    async def vllm_generate(self, prompt_ids: list[int], sampling: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """One vLLM generation; (its response, the version the request started under)."""
         await self.open.wait()  # not while weights are being swapped: start under the new ones
         version = self.version
@@ -245,30 +235,61 @@ class Proxy(TokenizerFrontend):
             self.in_flight -= sampling["n"]
 
     @staticmethod
-    def sampling(req: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> dict[str, Any]:
+    def sampling(sampling: Sampling) -> dict[str, Any]:
         """vLLM SamplingParams of a request. For ``k`` alternatives vLLM is asked for ``k + 1``:
         its list starts with the sampled token, so k + 1 entries always hold the top k."""
         params: dict[str, Any] = {
-            "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-            "max_tokens": 16 if max_tokens is None else max(1, max_tokens), "ignore_eos": req.ignore_eos,
-            "stop": req.stop_list(), "stop_token_ids": req.stop_token_ids or [],
+            "n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "max_tokens": max(1, sampling.max_tokens), "ignore_eos": sampling.ignore_eos,
+            "stop": list(sampling.stop), "stop_token_ids": list(sampling.stop_token_ids),
         }
-        if req.seed is not None:
-            params["seed"] = req.seed
-        if logprobs is not None:
-            params["logprobs"] = logprobs + 1 if logprobs else 0
-        if prompt_logprobs is not None:
-            params["prompt_logprobs"] = prompt_logprobs
+        if sampling.seed is not None:
+            params["seed"] = sampling.seed
+        if sampling.logprobs is not None:
+            params["logprobs"] = sampling.logprobs + 1 if sampling.logprobs else 0
+        if sampling.prompt_logprobs is not None:
+            params["prompt_logprobs"] = sampling.prompt_logprobs
         return params
 
-    # ---- shaping responses --------------------------------------------------------------------
-    def text_of(self, ids: list[int], stop_reason: Any) -> str:
-        """The choice's text; a stop string ends it (vLLM keeps every token it sampled)."""
-        if isinstance(stop_reason, str):
-            full = self.tokenizer.decode(ids)
-            cut = full.find(stop_reason)
-            return full[:cut] if cut >= 0 else full
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    # ---- the front's generator --------------------------------------------------------------
+    def check(self, prompt_ids: list[int], sampling: Sampling) -> None:
+        pass  # vLLM validates; its 4xx comes back as the answer
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> list[Generation]:
+        try:
+            resp, version = await self.vllm_generate(prompt_ids, self.sampling(sampling))
+        except UpstreamError as exc:
+            raise refused(exc) from None
+        k = sampling.logprobs or 0
+        prompt = self.prompt_logprobs(prompt_ids, resp.get("prompt_logprobs"), sampling.prompt_logprobs or 0) \
+            if sampling.prompt_logprobs is not None else (None, None)
+        out = []
+        for c in sorted(resp["choices"], key=lambda c: c["index"]):
+            scored_only = sampling.max_tokens == 0  # echo-only: vLLM sampled one token, the prompt was scored
+            ids = [] if scored_only else list(c["token_ids"])
+            entries = [] if scored_only else ((c.get("logprobs") or {}).get("content") or [])
+            stop = c.get("stop_reason")
+            out.append(Generation(
+                token_ids=ids, logprobs=[e["logprob"] for e in entries],
+                policy_versions=expand_versions(c.get("weight_versions"), len(ids), version),
+                finish_reason="length" if scored_only else c["finish_reason"],
+                top_logprobs=[self.top_of(e, k) for e in entries], text=self.stopped_text(ids, stop),
+                routed_experts=routed_experts(c.get("routed_experts"), self.moe_layers, self.num_layers,
+                                              self.num_experts),
+                prompt_logprobs=prompt[0], prompt_top_logprobs=prompt[1]))
+        return out
+
+    async def prefill(self, prompts: list[list[int]], sampling: Sampling) -> dict[str, Any]:
+        raise Refused(400, "this backend serves no prefill/decode phases (vLLM's connectors hand KV over)")
+
+    def stopped_text(self, ids: list[int], stop_reason: Any) -> str | None:
+        """The text up to the stop string that ended it (vLLM keeps every token it sampled);
+        None when no stop string did."""
+        if not isinstance(stop_reason, str):
+            return None
+        full = self.tokenizer.decode(ids)
+        cut = full.find(stop_reason)
+        return full[:cut] if cut >= 0 else full
 
     @staticmethod
     def top_of(entry: dict[str, Any], k: int) -> dict[int, float]:
@@ -276,170 +297,38 @@ class Proxy(TokenizerFrontend):
         alts = [(a["token_id"], a["logprob"], a.get("rank") or 0) for a in entry.get("top_logprobs") or []]
         return {t: lp for t, lp, rank in sorted(alts, key=lambda x: x[2]) if 1 <= rank <= k}
 
-    def token_fields(self, choice: dict[str, Any], ids: list[int], version: int) -> api.TokenFields:
-        out = api.TokenFields(token_ids=ids, policy_versions=expand_versions(choice.get("weight_versions"), len(ids),
-                                                                             version))
-        routed = routed_experts(choice.get("routed_experts"), self.moe_layers, self.num_layers, self.num_experts)
-        if routed is not None:
-            out["routed_experts"] = routed
-        return out
-
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> api.Usage:
-        return api.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+    def prompt_logprobs(prompt_ids: list[int], given: list[Any] | None,
+                        k: int) -> tuple[list[float | None], list[dict[int, float] | None]]:
+        """vLLM's prompt logprobs (one dict per position, by token id; the first None) as the
+        front's: the prompt token's logprob and its top ``k``."""
+        lps: list[float | None] = []
+        tops: list[dict[int, float] | None] = []
+        for i, t in enumerate(prompt_ids):
+            d = given[i] if given and i < len(given) else None
+            if not d:
+                lps.append(None)
+                tops.append(None)
+                continue
+            scored = {int(key): v for key, v in d.items()}
+            lps.append(scored[t]["logprob"] if t in scored else None)
+            tops.append({tid: v["logprob"] for tid, v in scored.items() if 1 <= (v.get("rank") or 0) <= k})
+        return lps, tops
 
-    def completion_logprobs(self, ids: list[int], entries: list[dict[str, Any]], k: int, prompt_ids: list[int] | None,
-                            prompt_lps: list[Any] | None) -> api.CompletionLogprobs:
-        all_ids = list(ids)
-        lps: list[float | None] = [e["logprob"] for e in entries]
-        tops: list[dict[int, float] | None] = [self.top_of(e, k) for e in entries]
-        if prompt_ids is not None:  # echo: the prompt's tokens first, the first with no logprob
-            p_lps: list[float | None] = []
-            p_tops: list[dict[int, float] | None] = []
-            for i, t in enumerate(prompt_ids):
-                d = prompt_lps[i] if prompt_lps and i < len(prompt_lps) else None
-                if not d:
-                    p_lps.append(None)
-                    p_tops.append(None)
-                    continue
-                scored = {int(key): v for key, v in d.items()}
-                p_lps.append(scored[t]["logprob"] if t in scored else None)
-                p_tops.append({tid: v["logprob"] for tid, v in scored.items() if 1 <= (v.get("rank") or 0) <= k})
-            all_ids, lps, tops = prompt_ids + all_ids, p_lps + lps, p_tops + tops
-        tokens = [self.piece(t) for t in all_ids]
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return api.CompletionLogprobs(
-            tokens=tokens, token_logprobs=lps, text_offset=offsets,
-            top_logprobs=[None if d is None else {self.piece(t): v for t, v in d.items()} for d in tops] if k else None)
-
-    def chat_logprobs(self, entries: list[dict[str, Any]], k: int) -> api.ChatLogprobs:
-        content = []
-        for e in entries:
-            piece = self.piece(e["token_id"])
-            content.append(api.ChatTokenLogprob(
-                token=piece, logprob=e["logprob"], bytes=list(piece.encode()),
-                top_logprobs=[api.TopLogprob(token=self.piece(t), logprob=v, bytes=list(self.piece(t).encode()))
-                              for t, v in self.top_of(e, k).items()]))
-        return api.ChatLogprobs(content=content)
-
-    # ---- OpenAI API ---------------------------------------------------------------------------
-    async def health(self) -> api.Health:
+    def health(self) -> api.Health:
         return api.Health(status="ok", policy_version=self.version, paused=self.paused)
 
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(self.started),
-                                            "owned_by": "primerl-vllm", "max_model_len": self.max_model_len}]}
-
-    async def completions(self, req: CompletionRequest) -> Any:
-        try:
-            prompts, texts = self.prompts_of(req)
-        except ValueError as exc:
-            return error(400, str(exc), "prompt")
-        k = req.logprobs
-        sampling = self.sampling(req, req.max_tokens, k, prompt_logprobs=(k or 0) if req.echo and k is not None else None)
-        try:
-            results = await asyncio.gather(*(self.generate(ids, sampling) for ids in prompts))
-        except UpstreamError as exc:
-            return upstream_error(exc)
-        choices: list[api.CompletionChoice] = []
-        completion_tokens = 0
-        for ids, text, (resp, version) in zip(prompts, texts, results):
-            for c in sorted(resp["choices"], key=lambda c: c["index"]):
-                out_ids = [] if req.max_tokens == 0 else list(c["token_ids"])  # echo-only: score the prompt
-                entries = [] if req.max_tokens == 0 else ((c.get("logprobs") or {}).get("content") or [])
-                out = self.text_of(out_ids, c.get("stop_reason"))
-                if req.echo:
-                    out = (text if text is not None else self.tokenizer.decode(ids)) + out
-                choices.append(api.CompletionChoice(
-                    index=len(choices), text=out, finish_reason="length" if req.max_tokens == 0 else c["finish_reason"],
-                    logprobs=self.completion_logprobs(out_ids, entries, k, ids if req.echo else None,
-                                                      resp.get("prompt_logprobs")) if k is not None else None,
-                    prompt_token_ids=ids, **self.token_fields(c, out_ids, version)))
-                completion_tokens += len(out_ids)
-        return api.CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()), model=self.model_name,
-            choices=choices, usage=self.usage(sum(len(i) for i in prompts), completion_tokens))
-
-    async def chat_completion(self, req: ChatCompletionRequest, ids: list[int]) -> Any:
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        try:
-            resp, version = await self.generate(ids, self.sampling(req, req.max_completion_tokens or req.max_tokens, k))
-        except UpstreamError as exc:
-            return upstream_error(exc)
-        choices: list[api.ChatChoice] = []
-        completion_tokens = 0
-        for i, c in enumerate(sorted(resp["choices"], key=lambda c: c["index"])):
-            out_ids = list(c["token_ids"])
-            text, finish = self.text_of(out_ids, c.get("stop_reason")), c["finish_reason"]
-            message = api.ChatMessage(role="assistant", content=text)
-            if req.parses_tools():
-                rest, calls = split_tool_calls(text)
-                if calls:
-                    message["content"] = rest or None
-                    message["tool_calls"] = [
-                        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                         "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
-                        for call in calls]
-                    finish = "tool_calls" if finish == "stop" else finish
-            entries = (c.get("logprobs") or {}).get("content") or []
-            choices.append(api.ChatChoice(index=i, message=message, finish_reason=finish,
-                                          logprobs=self.chat_logprobs(entries, k or 0) if req.logprobs else None,
-                                          **self.token_fields(c, out_ids, version)))
-            completion_tokens += len(out_ids)
-        return api.ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion", created=int(time.time()),
-            model=self.model_name, choices=choices, prompt_token_ids=ids, usage=self.usage(len(ids), completion_tokens))
-
-    async def chat(self, req: ChatCompletionRequest) -> Any:
-        try:
-            ids = self.render(req.template_messages(), req.template_tools(), req.add_generation_prompt,
-                              req.chat_template_kwargs)
-        except ValueError as exc:
-            return error(400, str(exc), "messages")
-        return await self.chat_completion(req, ids)
-
-    async def chat_tokens(self, req: ChatTokensRequest) -> Any:
-        """A chat turn whose prompt arrives as token ids: the engine's own tokens of the earlier
-        turns plus the new turn's, so nothing the model produced is re-tokenized."""
-        return await self.chat_completion(req, list(req.tokens))
-
-    async def tokenize(self, req: protocol.TokenizeRequest) -> Any:
-        if (req.prompt is None) == (req.messages is None):
-            return error(400, "give exactly one of 'prompt' (text) or 'messages' (a conversation)")
-        if req.prompt is not None:
-            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        else:
-            try:
-                ids = self.render([m.model_dump(exclude_none=True) for m in req.messages],
-                                  [t.model_dump() for t in req.tools] if req.tools else None,
-                                  req.add_generation_prompt, req.chat_template_kwargs)
-            except ValueError as exc:
-                return error(400, str(exc), "messages")
-        return api.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids)
-
-    async def detokenize(self, req: protocol.DetokenizeRequest) -> Any:
-        n = len(self.tokenizer)
-        if any(t < 0 or t >= n for t in req.tokens):
-            return error(400, f"token ids must be in [0, {n})", "tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
-
-    async def metrics(self) -> PlainTextResponse:
+    async def metrics(self) -> str:
         """vLLM's metrics, plus primerl's policy version and weight-update figures."""
         try:
             text = await self.call("GET", "/metrics")
         except (UpstreamError, httpx.HTTPError):
             text = ""
-        ours = [
+        return (text or "") + prometheus([
             ("primerl_policy_version", "gauge", "Version of the weights being served", self.version),
             ("primerl_weight_updates_total", "counter", "Weight updates applied", self.updates),
             ("primerl_weight_update_seconds", "gauge", "Duration of the last weight update", self.last_update_seconds),
-        ]
-        extra = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in ours)
-        return PlainTextResponse((text or "") + extra, media_type="text/plain; version=0.0.4")
+        ])
 
     # ---- admin --------------------------------------------------------------------------------
     def check_update(self, path: str) -> str | None:
@@ -471,7 +360,7 @@ class Proxy(TokenizerFrontend):
             return await self.confirm_nccl(req)
         why = self.check_update(req.path)
         if why:
-            return error(400, why, "path")
+            raise Refused(400, why, "path")
         t0 = time.perf_counter()
         async with self.lock:
             version = req.version if req.version is not None else self.version + 1
@@ -483,15 +372,15 @@ class Proxy(TokenizerFrontend):
                         "method": "primerl_reload_weights", "kwargs": {"weights_path": str(Path(req.path).resolve())}})
                     await self.call("POST", "/update_weight_version", json={"new_version": str(version)})
                 except UpstreamError as exc:
-                    return error(400, f"vLLM could not load weights from '{req.path}': {exc}; still serving "
-                                      f"policy v{self.version} (weights may be partly replaced: load a good "
-                                      "checkpoint)", "path")
+                    raise Refused(400, f"vLLM could not load weights from '{req.path}': {exc}; still serving "
+                                       f"policy v{self.version} (weights may be partly replaced: load a good "
+                                       "checkpoint)", "path") from None
                 finally:
                     if not self.paused:
                         await self.call("POST", "/resume")
                 self.version = version
             except (UpstreamError, httpx.HTTPError) as exc:
-                return error(500, f"weight update failed talking to vLLM: {exc}", kind="upstream_error")
+                raise Refused(500, f"weight update failed talking to vLLM: {exc}", kind="upstream_error") from None
             finally:
                 self.open.set()
         self.updates += 1
@@ -515,11 +404,11 @@ class Proxy(TokenizerFrontend):
             version = req.version if req.version is not None else int(
                 json.loads((Path(req.path) / NCCL_MARKER).read_text())["version"])
         except (ValueError, KeyError, TypeError) as exc:
-            return error(400, f"'{req.path}/{NCCL_MARKER}' is not a valid NCCL marker: {exc}", "path")
+            raise Refused(400, f"'{req.path}/{NCCL_MARKER}' is not a valid NCCL marker: {exc}", "path") from None
         async with self.lock:  # after an update in progress, if any
             if self.version < version:
-                return error(409, f"policy v{version} was published over NCCL, but this server holds v{self.version}: "
-                                  "the trainer's NCCL send did not reach it", "path")
+                raise Refused(409, f"policy v{version} was published over NCCL, but this server holds "
+                                   f"v{self.version}: the trainer's NCCL send did not reach it", "path")
         return api.WeightUpdateResponse(policy_version=self.version, seconds=0.0)
 
     async def nccl_world_size(self) -> Any:
@@ -631,17 +520,19 @@ class Proxy(TokenizerFrontend):
                                kv_usage=prometheus_value(text, "vllm:kv_cache_usage_perc"))
 
 
+    def routes(self) -> list[tuple[str, str, Any]]:
+        """The trainer's NCCL weight transfer (weight_transfer.py), named after vLLM's routes."""
+        return [
+            ("GET", f"{PREFIX}/world_size", self.nccl_world_size),
+            ("POST", f"{PREFIX}/init_weight_transfer_engine", self.nccl_init),
+            ("POST", f"{PREFIX}/start_weight_update", self.nccl_start),
+            ("POST", f"{PREFIX}/update_weights", self.nccl_chunk),
+            ("POST", f"{PREFIX}/finish_weight_update", self.nccl_finish),
+            ("POST", f"{PREFIX}/shutdown_weight_transfer_engine", self.nccl_shutdown),
+        ]
+
+
 # ---- the app ------------------------------------------------------------------------------------
-
-
-async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    return error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg")), loc or None)
-
-
-async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error(exc.status_code, str(exc.detail))
 
 
 async def _upstream_down(_req: Request, exc: httpx.HTTPError) -> JSONResponse:
@@ -653,55 +544,11 @@ async def _upstream(_req: Request, exc: UpstreamError) -> JSONResponse:
 
 
 def create_app(proxy: Proxy, *, api_key: str | None = None) -> FastAPI:
-    """The app: :class:`Proxy` routed at :mod:`primerl.inference`'s endpoints, behind the
-    embedded server's :class:`~primerl.serving.frontend.Guard` (API key, body size)."""
-    app = FastAPI(title="primerl vLLM inference")
+    """The one serving front over ``proxy`` (:func:`primerl.serving.front.create_app`), with
+    vLLM's failures answered in OpenAI's shape."""
+    app = front_app(proxy, api_key=api_key, title="primerl vLLM inference")
     app.state.proxy = proxy
-    app.add_exception_handler(RequestValidationError, _invalid)
-    app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(httpx.HTTPError, _upstream_down)
     app.add_exception_handler(UpstreamError, _upstream)
-    app.add_middleware(Guard, api_key=api_key)
     app.router.on_shutdown.append(proxy.close)
-
-    async def completions(req: CompletionRequest) -> Any:
-        return await proxy.completions(req)
-
-    async def chat(req: ChatCompletionRequest) -> Any:
-        return await proxy.chat(req)
-
-    async def chat_tokens(req: ChatTokensRequest) -> Any:
-        return await proxy.chat_tokens(req)
-
-    async def nccl_init(req: NcclInitRequest) -> Any:
-        return await proxy.nccl_init(req)
-
-    async def nccl_chunk(req: NcclUpdateRequest) -> Any:
-        return await proxy.nccl_chunk(req)
-
-    async def nccl_finish(req: NcclFinishRequest) -> Any:
-        return await proxy.nccl_finish(req)
-
-    for method, path, handler in [
-        ("GET", api.HEALTH, proxy.health),
-        ("GET", api.MODELS, proxy.models),
-        ("POST", api.COMPLETIONS, completions),
-        ("POST", api.CHAT_COMPLETIONS, chat),
-        ("POST", api.CHAT_COMPLETIONS_TOKENS, chat_tokens),
-        ("POST", api.TOKENIZE, proxy.tokenize),
-        ("POST", api.DETOKENIZE, proxy.detokenize),
-        ("GET", api.METRICS, proxy.metrics),
-        ("POST", api.ADMIN_WEIGHTS, proxy.update_weights),
-        ("POST", api.ADMIN_PAUSE, proxy.pause),
-        ("POST", api.ADMIN_RESUME, proxy.resume),
-        ("GET", api.ADMIN_STATUS, proxy.status),
-        # the trainer's NCCL weight transfer (weight_transfer.py), named after vLLM's routes
-        ("GET", f"{PREFIX}/world_size", proxy.nccl_world_size),
-        ("POST", f"{PREFIX}/init_weight_transfer_engine", nccl_init),
-        ("POST", f"{PREFIX}/start_weight_update", proxy.nccl_start),
-        ("POST", f"{PREFIX}/update_weights", nccl_chunk),
-        ("POST", f"{PREFIX}/finish_weight_update", nccl_finish),
-        ("POST", f"{PREFIX}/shutdown_weight_transfer_engine", proxy.nccl_shutdown),
-    ]:
-        app.add_api_route(path, handler, methods=[method], response_model=None)
     return app
