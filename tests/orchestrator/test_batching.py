@@ -113,7 +113,7 @@ def test_evaluation_runs_each_eval_task_once_and_reaches_the_next_batch(tmp_path
     the result is logged with the next batch and leaves the training throughput alone."""
     from conftest import InferenceServer
 
-    from primerl.orchestrator.main import InferenceClient
+    from primerl.orchestrator.client import InferenceClient
     from primerl.registry import get_registry
 
     with InferenceServer("--model", "glm5", "--inference.max_model_len", "256") as server:

@@ -46,7 +46,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -115,6 +115,40 @@ def _retry_after(value: str) -> float:
 def _cause(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class Client(Protocol):
+    """What the orchestrator (and the trainer's weight channel) ask of the inference servers:
+    :class:`InferenceClient` over one pool, :class:`PDInferenceClient` over two."""
+
+    servers: list[str]
+
+    def servers_up(self) -> list[str]: ...
+
+    async def wait_ready(self, deadline_s: float = 600.0) -> None: ...
+
+    def base_url(self, session: str) -> str: ...
+
+    async def endpoint(self, session: str) -> tuple[str, int]:
+        """A server's URL for an agent env that calls inference itself, and a token for
+        :meth:`lost_since`."""
+
+    async def lost_since(self, url: str, token: int) -> bool: ...
+
+    def count_resent(self) -> None: ...
+
+    async def chat(self, body: dict[str, Any], session: str | None = None) -> ChatCompletionResponse: ...
+
+    async def completions(self, body: dict[str, Any], session: str | None = None) -> CompletionResponse: ...
+
+    async def post(self, path: str, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+        """Any generation endpoint's request, routed, re-sent when its server is lost."""
+
+    async def load_weights(self, path: Path, version: int) -> None: ...
+
+    def take_metrics(self) -> dict[str, int]: ...
+
+    async def close(self) -> None: ...
 
 
 class InferenceClient:
@@ -326,10 +360,10 @@ class InferenceClient:
 
     # ---- requests -----------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], session: str | None = None) -> ChatCompletionResponse:
-        return await self._post(CHAT_COMPLETIONS, body, session)
+        return await self.post(CHAT_COMPLETIONS, body, session)
 
     async def completions(self, body: dict[str, Any], session: str | None = None) -> CompletionResponse:
-        return await self._post(COMPLETIONS, body, session)
+        return await self.post(COMPLETIONS, body, session)
 
     def _headers(self, route: Route) -> dict[str, str] | None:
         return dict(self.router.headers(route)) or None
@@ -356,7 +390,7 @@ class InferenceClient:
             return request.result()
         raise ServerLost(f"{url} was ejected ({srv.cause})")
 
-    async def _post(self, path: str, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+    async def post(self, path: str, body: dict[str, Any], session: str | None) -> dict[str, Any]:
         import httpx
 
         prompt = body.get("prompt")
@@ -520,22 +554,22 @@ class PDInferenceClient:
 
     async def _two_phases(self, path: str, body: dict[str, Any], session: str | None) -> Any:
         if body.get("echo"):  # a scored prompt runs whole: every position's logits are needed
-            return await self.decode._post(path, body, session)
+            return await self.decode.post(path, body, session)
         for _ in range(MAX_PREFILLS):
             if not self.prefill.servers_up():
                 break
             try:
-                pre = await self.prefill._post(path, {**body, "kv_transfer_params": {"do_remote_decode": True}},
+                pre = await self.prefill.post(path, {**body, "kv_transfer_params": {"do_remote_decode": True}},
                                                session)
             except NoServerUp:
                 break
             try:
-                return await self.decode._post(path, {**body, "kv_transfer_params": pre["kv_transfer_params"]},
+                return await self.decode.post(path, {**body, "kv_transfer_params": pre["kv_transfer_params"]},
                                                session)
             except KVMissing:
                 self.reprefilled += 1
         self.whole += 1
-        return await self.decode._post(path, body, session)
+        return await self.decode.post(path, body, session)
 
     # ---- weights ------------------------------------------------------------------------
     async def load_weights(self, path: Path, version: int) -> None:
@@ -556,7 +590,7 @@ class PDInferenceClient:
 
 
 def inference_client(cfg: Any, router: Callable[[], Router] | None = None, *, servers: Sequence[str] | None = None,
-                     **kwargs: Any) -> InferenceClient | PDInferenceClient:
+                     **kwargs: Any) -> Client:
     """The client for run config ``cfg``: :class:`PDInferenceClient` over
     ``inference.pd_urls()`` when prefill/decode are disaggregated, else an
     :class:`InferenceClient` over ``servers`` (the run's inference URLs). ``router`` makes a
@@ -579,4 +613,4 @@ def inference_client(cfg: Any, router: Callable[[], Router] | None = None, *, se
     return InferenceClient(servers, router(), **kwargs)
 
 
-__all__ = ["InferenceClient", "KVMissing", "NoServerUp", "PDInferenceClient", "Server", "inference_client"]
+__all__ = ["Client", "InferenceClient", "KVMissing", "NoServerUp", "PDInferenceClient", "Server", "inference_client"]

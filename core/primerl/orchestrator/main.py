@@ -69,7 +69,7 @@ from primerl.envs.multiturn import MultiTurnConfig, MultiTurnEnv, prompt_ids, tu
 from primerl.envs.workers import EnvWorkers
 from primerl.errors import PrimerlError
 from primerl.inference import RoutedExperts, inference_urls
-from primerl.orchestrator.client import InferenceClient, inference_client
+from primerl.orchestrator.client import Client, inference_client
 from primerl.registry import get_registry
 from primerl.resume import usable_checkpoint
 from primerl.rundir import ORCHESTRATOR_STATE, RunDir, step_name, write_atomically
@@ -176,7 +176,7 @@ class Failures:
 
 
 class Orchestrator:
-    def __init__(self, cfg: RunConfig, env: Environment, client: InferenceClient):
+    def __init__(self, cfg: RunConfig, env: Environment, client: Client):
         self.cfg = cfg
         self.o = cfg.orchestrator
         self.env = env
