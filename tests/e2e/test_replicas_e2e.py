@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from primerl.config import read_toml
-
 pytestmark = pytest.mark.slow
 
 SMALL = ["--sft.steps", "0", "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
@@ -48,7 +46,7 @@ def test_a_run_survives_losing_one_of_two_inference_servers(tmp_path):
         while time.time() < deadline and proc.poll() is None:
             metrics = out / "metrics.jsonl"
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                urls = read_toml(out / "config.toml")["inference"]["urls"]
+                urls = json.loads((out / "runtime.json").read_text())["inference_urls"]
                 pid = pid_serving(int(urls[1].rsplit(":", 1)[1]))
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
@@ -92,7 +90,7 @@ def test_a_lost_server_is_started_again_and_readmitted_with_the_current_weights(
         while len(rows()) < 2:
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.2)
-        url = read_toml(out / "config.toml")["inference"]["urls"][1]
+        url = json.loads((out / "runtime.json").read_text())["inference_urls"][1]
         os.kill(pid_serving(int(url.rsplit(":", 1)[1])), signal.SIGKILL)
         killed_at = len(rows())
         back = f"inference server {url} answers /health: back in routing with policy v"
@@ -128,7 +126,7 @@ def test_losing_every_inference_server_stops_the_run_with_the_cause(tmp_path):
         while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.2)
-        for url in read_toml(out / "config.toml")["inference"]["urls"]:
+        for url in json.loads((out / "runtime.json").read_text())["inference_urls"]:
             os.kill(pid_serving(int(url.rsplit(":", 1)[1])), signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=120)
     finally:

@@ -77,6 +77,7 @@ def test_env_check_oracle_gives_one_and_none_gives_zero(tasks_file, swe_cache):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_tasks_are_genuine_bugs(tasks_file, swe_cache):
     """Before the fix the regression tests fail while the existing suite passes; after it all pass."""
     env = swe(tasks_file, swe_cache)
@@ -92,6 +93,7 @@ def test_tasks_are_genuine_bugs(tasks_file, swe_cache):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_agent_tools_work_and_stay_inside_the_checkout(tasks_file, swe_cache):
     env = swe(tasks_file, swe_cache)
     task = next(t for t in env.tasks("train") if t.id == "pyutils__median-even")
@@ -269,6 +271,7 @@ def unseen(tmp_path_factory):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_unseen_tasks_check_like_the_shipped_ones_and_broken_ones_are_errors(unseen, swe_cache):
     import re
 
@@ -292,6 +295,7 @@ def test_unseen_tasks_check_like_the_shipped_ones_and_broken_ones_are_errors(uns
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_model_caused_failures_stay_zero(unseen, tmp_path, swe_cache):
     """Whatever the agent does to its checkout is a reward of 0, never an error: a syntax error,
     a conftest that kills pytest, a wrecked or hostile .git, a chmod-ed checkout, a symlink out."""
@@ -324,6 +328,7 @@ def test_model_caused_failures_stay_zero(unseen, tmp_path, swe_cache):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_the_run_tool_finds_python_pytest_and_git(unseen, swe_cache):
     """`python`, `pytest` and `pip` are the task environment's (the checkout installed in it), git reads."""
     env = swe(unseen, swe_cache)
@@ -353,6 +358,7 @@ def _venv(layered: bool) -> Path:
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_an_interpreter_under_tmp_runs_the_tests(unseen, swe_cache):
     """The interpreter running primerl lives in a venv under /tmp: the sandbox binds it after its
     private /tmp, so the tests run (reward 1 with the gold patch) and `python` is that venv's."""
@@ -376,6 +382,7 @@ def test_an_interpreter_under_tmp_runs_the_tests(unseen, swe_cache):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_pytest_missing_in_the_interpreter_is_a_task_error(unseen, tmp_path):
     """primerl runs from an interpreter without pytest (its packages come from a site dir the
     sandbox's clean environment does not see): every task is an error naming the fix."""

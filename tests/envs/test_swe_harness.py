@@ -101,6 +101,7 @@ def test_bad_rows_are_one_line_naming_file_and_line(tmp_path, layouts):
     assert line.startswith("error:") and "t.jsonl:2: instance_id" in line and "also on line 1" in line
 
 
+@pytest.mark.slow
 def test_owner_name_repos_are_found_under_env_repos(tmp_path, layouts, swe_cache):
     rows = _rows(layouts, "fixtures__strkit")
     (tmp_path / "tasks").mkdir()
@@ -185,6 +186,7 @@ def _uninstallable_src_repo(root: Path) -> dict:
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_tests_that_cannot_import_the_checkout_are_an_error_not_a_reward(tmp_path, shadow_python):
     row = _uninstallable_src_repo(tmp_path / "semverlite")
     tasks = tmp_path / "t.jsonl"
@@ -226,6 +228,7 @@ def test_deleting_the_package_so_the_installed_copy_is_imported_scores_zero(layo
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_outcomes_come_from_pytests_reports_for_any_node_id(tmp_path, swe_cache):
     """Node ids with spaces, brackets, unicode; xfail, setup errors, teardown errors, skips."""
     root = tmp_path / "ids"
@@ -296,6 +299,7 @@ def test_fails():
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_a_tasks_environment_is_made_once_and_reused(layouts, tmp_path):
     cache = tmp_path / "cache"
     env = Swe(SweConfig(tasks=str(layouts), cache_dir=str(cache)))
@@ -314,6 +318,7 @@ def test_a_tasks_environment_is_made_once_and_reused(layouts, tmp_path):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_recipes_run_in_the_sandbox_and_a_failing_one_names_its_command(layouts, tmp_path):
     rows = _rows(layouts, "fixtures__unitconv-c-to-f")
     recipe = dict(rows[0], pre_install=["echo prepared > .prepared"],
@@ -329,6 +334,7 @@ def test_recipes_run_in_the_sandbox_and_a_failing_one_names_its_command(layouts,
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_env_prepare_makes_every_environment_ahead_of_the_run(layouts, tmp_path):
     tasks = layouts.parent / "strkit.jsonl"
     tasks.write_text("".join(json.dumps(r) + "\n" for r in _rows(layouts, "fixtures__strkit")))
@@ -340,6 +346,7 @@ def test_env_prepare_makes_every_environment_ahead_of_the_run(layouts, tmp_path)
     assert [r["setup_s"] for r in second] == [0.0] * 3, second
 
 
+@pytest.mark.slow
 def test_the_rlimit_sandbox_makes_the_environment_in_place(layouts, tmp_path):
     """No bubblewrap: each checkout gets its environment beside it, removed with it."""
     tasks = layouts.parent / "one.jsonl"

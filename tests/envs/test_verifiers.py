@@ -100,6 +100,7 @@ def run(server, client: str, n: int = 2):
     return hit, env.run_group(hit, endpoint, n), miss, env.run_group(miss, endpoint, n)
 
 
+@pytest.mark.slow
 def test_episodes_are_token_exact_across_turns(server):
     """Turn 2+ go out as token ids (the engine's own tokens plus the rendered env turn), so
     each episode is one sample whose tokens are exactly what the model saw and produced."""

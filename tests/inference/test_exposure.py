@@ -54,6 +54,7 @@ def exposed():
 @pytest.mark.parametrize("method, path", [("POST", "/admin/weights"), ("POST", "/admin/pause"),
                                           ("GET", "/admin/status"), ("POST", "/v1/completions"),
                                           ("GET", "/health"), ("GET", "/metrics")])
+@pytest.mark.slow
 def test_every_endpoint_refuses_requests_without_the_key(exposed, method, path):
     url, _ = exposed
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -159,6 +160,7 @@ def test_absurd_sampling_values_are_refused_with_400(app_client, field, value):
     assert r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_refused_at_once_in_one_line():
     import socket
 

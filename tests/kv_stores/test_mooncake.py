@@ -32,6 +32,8 @@ from primerl_embedded.engine import Engine
 from primerl_kv_mooncake.master import MooncakeMaster, start_master
 from primerl_kv_mooncake.store import MooncakeStore
 
+pytestmark = pytest.mark.slow  # every test starts a Mooncake master
+
 SMALL = dict(segment_bytes=64 << 20, buffer_bytes=16 << 20)  # what each test client lends the pool
 
 

@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from primerl.config import ConfigSources, load_config
 from primerl.envs import Task
 from primerl.orchestrator.main import Group, Orchestrator
@@ -108,6 +110,7 @@ def test_groups_failing_in_a_row_stop_the_run_with_their_cause(tmp_path):
     assert orch.finished.qsize() == 1
 
 
+@pytest.mark.slow
 def test_evaluation_runs_each_eval_task_once_and_reaches_the_next_batch(tmp_path):
     """Against a real inference server: every eval task once, greedy, through the router;
     the result is logged with the next batch and leaves the training throughput alone."""

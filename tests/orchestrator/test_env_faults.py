@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from primerl.config import ConfigSources, load_config
 from primerl.envs.multiturn import MultiTurnConfig
 from primerl.envs.workers import EnvWorkers
@@ -37,6 +39,7 @@ class FakeInference:
         return {}
 
 
+@pytest.mark.slow
 def test_an_env_worker_killed_mid_episode_costs_its_group_counted(tmp_path, monkeypatch):
     from stuck_env import DIR, Stuck
 

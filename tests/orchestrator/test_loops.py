@@ -18,6 +18,8 @@ from primerl.orchestrator.main import Orchestrator, RunFailed
 from primerl.registry import get_registry
 from primerl.rundir import STABLE, RunDir
 
+pytestmark = pytest.mark.slow  # every test runs against a real inference server
+
 
 @pytest.fixture(scope="module")
 def server():

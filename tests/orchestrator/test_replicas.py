@@ -82,6 +82,7 @@ async def wait_for(predicate, seconds: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_killed_server_is_survived_ejected_and_readmitted_with_the_current_weights(tmp_path):
     ports = [free_port(), free_port()]
     while ports[1] == ports[0]:

@@ -33,6 +33,8 @@ from primerl.registry import get_registry
 from primerl.sampling import token_logprobs
 from primerl.tokenizer import VOCAB_SIZE
 
+pytestmark = pytest.mark.slow  # every test starts torch.distributed ranks
+
 # per row, the lengths of its packed sequences; row 1 is right-padded (41 of 78 tokens).
 # GLM-5's DSA (index_topk 32) selects keys in the 40- and 36-token sequences; the
 # 40-token sequence spans several zigzag chunks.

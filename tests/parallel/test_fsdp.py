@@ -13,6 +13,8 @@ from primerl_fsdp.ranks import run_on_ranks
 from primerl.config import ConfigSources, ParallelConfig, load_config
 from primerl.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # every test starts torch.distributed ranks
+
 
 @pytest.fixture(scope="module")
 def one_process():
