@@ -97,6 +97,42 @@ def venv(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def glm5_v0(tmp_path_factory):
+    """The tiny glm5's weights as the trainer publishes v0 (an HF checkpoint folder)."""
+    from primerl.models import ModelConfig
+    from primerl.registry import get_registry
+
+    path = tmp_path_factory.mktemp("glm5-v0")
+    adapter = get_registry().load("model", "glm5")()
+    cfg = ModelConfig(name="glm5", preset="tiny")
+    adapter.save_checkpoint(adapter.build(cfg), path, tokenizer=adapter.tokenizer(cfg))
+    return path
+
+
+def publish_v0(out: Path, weights: Path | None) -> None:
+    """``weights/step_0`` of run ``out``, published (STABLE): ``weights``' files, or none
+    (a published step the servers cannot load)."""
+    import shutil
+
+    from primerl.rundir import STABLE, RunDir
+
+    path = RunDir(out).weights_step(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if weights is None:
+        path.mkdir()
+    else:
+        shutil.copytree(weights, path)
+    (path / STABLE).touch()
+
+
+@pytest.fixture(scope="module")
+def glm5_server():
+    """``primerl inference`` serving the tiny glm5 (module-wide)."""
+    with InferenceServer("--model", "glm5", "--inference.max_model_len", "256") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def swe_cache(tmp_path_factory):
     """The swe env's cache (shipped sets, each task's environment) for the whole session: a task's
     environment is made once however many tests run it."""

@@ -18,9 +18,13 @@ def make(tmp_path, **orch):
                  ("orchestrator.group_size", "2")]
     overrides += [(f"orchestrator.{k}", str(v)) for k, v in orch.items()]
     cfg = load_config(ConfigSources(overrides=overrides), {"env.name": "reverse-text"})
+    from primerl_round_robin.router import RoundRobinRouter
+
+    from primerl.orchestrator.client import InferenceClient
     from primerl.registry import get_registry
 
-    return Orchestrator(cfg, get_registry().load("env", "reverse-text")(cfg.env), client=None)
+    client = InferenceClient(["http://127.0.0.1:9"], RoundRobinRouter())  # never called: batches are fed in
+    return Orchestrator(cfg, get_registry().load("env", "reverse-text")(cfg.env), client=client)
 
 
 def finished_group(draw, task_id):
@@ -36,7 +40,7 @@ def test_each_batch_records_the_draws_and_the_unbatched_tasks_before_it_is_writt
     orch = make(tmp_path, max_off_policy_steps=2, async_level=1)
     draws = list(itertools.islice(orch._draws(), 5))
     # five drawn: 0 and 1 finished first (batch 1), 2 is in flight, 3 finished and waits, 4 failed
-    orch.drawn, orch.started = 5, 4
+    orch.drawn = 5
     orch.pending = {i: t for i, t in draws[:4]}
     for i in (1, 0, 3):
         orch.finished.put_nowait(finished_group(i, draws[i][1].id))

@@ -1,5 +1,6 @@
 """An env worker process killed mid-episode costs that rollout group, counted in
-``errors/rollout``; a fresh group takes its place and the batch is written as usual."""
+``errors/rollout``; a fresh group takes its place and the batch is written as usual (a real
+inference server serving real v0 weights; the env's workers are real processes)."""
 
 import asyncio
 import os
@@ -7,40 +8,19 @@ import signal
 import time
 
 import pytest
+from conftest import publish_v0
 
 from primerl.config import ConfigSources, load_config
 from primerl.envs.multiturn import MultiTurnConfig
-from primerl.envs.workers import EnvWorkers
+from primerl.inference import inference_urls
+from primerl.orchestrator.client import inference_client
 from primerl.orchestrator.main import Orchestrator
-from primerl.rundir import STABLE, RunDir
+from primerl.rundir import RunDir
 from primerl.samples import read_batch
-from primerl.tokenizer import byte_tokenizer
-
-
-class FakeInference:
-    """Answers every completion with two sampled tokens from policy v0."""
-
-    servers = ["fake"]
-
-    async def wait_ready(self):
-        pass
-
-    async def load_weights(self, path, version):
-        pass
-
-    def servers_up(self):
-        return self.servers
-
-    async def completions(self, body, session):
-        return {"choices": [{"token_ids": [65, 66], "logprobs": {"token_logprobs": [-1.0, -1.0]},
-                             "policy_versions": [0, 0]}]}
-
-    def take_metrics(self):
-        return {}
 
 
 @pytest.mark.slow
-def test_an_env_worker_killed_mid_episode_costs_its_group_counted(tmp_path, monkeypatch):
+def test_an_env_worker_killed_mid_episode_costs_its_group_counted(tmp_path, monkeypatch, glm5_server, glm5_v0):
     from stuck_env import DIR, Stuck
 
     stuck = tmp_path / "stuck"
@@ -48,17 +28,15 @@ def test_an_env_worker_killed_mid_episode_costs_its_group_counted(tmp_path, monk
     monkeypatch.setenv(DIR, str(stuck))  # the spawned workers inherit it
     out = tmp_path / "run"
     overrides = [("output_dir", str(out)), ("max_steps", "1"), ("orchestrator.batch_size", "4"),
-                 ("orchestrator.group_size", "2"), ("orchestrator.async_level", "0")]
-    cfg = load_config(ConfigSources(overrides=overrides), {"env.name": "reverse-text"})
+                 ("orchestrator.group_size", "2"), ("orchestrator.async_level", "0"),
+                 ("orchestrator.max_tokens", "2"), ("orchestrator.env_workers", "2"),
+                 ("inference.urls", f'["{glm5_server.url}"]')]
+    cfg = load_config(ConfigSources(overrides=overrides), {"env.name": "reverse-text", "model.name": "glm5"})
     cfg.env = MultiTurnConfig(name="stuck", turn_timeout_s=120, max_turns=2)
-    env = Stuck(cfg.env)
-    orch = Orchestrator(cfg, env, FakeInference())
-    orch.env, orch.tokenizer = env, byte_tokenizer()
-    orch.workers = EnvWorkers(Stuck, cfg.env, processes=2)
-    orch.tasks = orch._task_stream(None)
+    publish_v0(out, glm5_v0)  # v0 is published: the orchestrator may start
+    client = inference_client(cfg, servers=inference_urls(cfg))
+    orch = Orchestrator(cfg, Stuck(cfg.env), client)  # its workers run the Stuck class
     run = RunDir(out)
-    run.weights_step(0).mkdir(parents=True)
-    (run.weights_step(0) / STABLE).touch()  # v0 is published: the orchestrator may start
 
     async def kill_one_worker_mid_episode():
         deadline = time.monotonic() + 120
@@ -73,8 +51,11 @@ def test_an_env_worker_killed_mid_episode_costs_its_group_counted(tmp_path, monk
 
     async def go():
         runner = asyncio.create_task(orch.run())
-        killed_task = await kill_one_worker_mid_episode()
-        await asyncio.wait_for(runner, 120)
+        try:
+            killed_task = await kill_one_worker_mid_episode()
+            await asyncio.wait_for(runner, 120)
+        finally:
+            await client.close()
         return killed_task
 
     killed_task = asyncio.run(go())

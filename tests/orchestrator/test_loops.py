@@ -3,11 +3,10 @@ batches, watching weights) ends the run at once with its cause in one line, neve
 wait. Each loop is made to fail against a real inference server serving real v0 weights."""
 
 import asyncio
-import shutil
 import time
 
 import pytest
-from conftest import InferenceServer
+from conftest import publish_v0
 
 from primerl.config import ConfigSources, load_config
 from primerl.envs import SingleTurnEnv, Task
@@ -16,37 +15,8 @@ from primerl.inference import inference_urls
 from primerl.orchestrator import main as orchestrator_main
 from primerl.orchestrator.main import Orchestrator, RunFailed
 from primerl.registry import get_registry
-from primerl.rundir import STABLE, RunDir
 
 pytestmark = pytest.mark.slow  # every test runs against a real inference server
-
-
-@pytest.fixture(scope="module")
-def server():
-    with InferenceServer("--model", "glm5", "--inference.max_model_len", "256") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    """The tiny glm5's weights as the trainer publishes v0 (an HF checkpoint folder)."""
-    from primerl.models import ModelConfig
-
-    path = tmp_path_factory.mktemp("v0")
-    adapter = get_registry().load("model", "glm5")()
-    cfg = ModelConfig(name="glm5", preset="tiny")
-    adapter.save_checkpoint(adapter.build(cfg), path, tokenizer=adapter.tokenizer(cfg))
-    return path
-
-
-def _publish_v0(out, weights, broken=False):
-    path = RunDir(out).weights_step(0)
-    path.parent.mkdir(parents=True)
-    if broken:
-        path.mkdir()
-    else:
-        shutil.copytree(weights, path)
-    (path / STABLE).touch()
 
 
 def _config(out, server):
@@ -99,29 +69,29 @@ class Echo(SingleTurnEnv):
         return 0.5
 
 
-def test_drawing_tasks_that_raises_ends_the_run(tmp_path, server, weights):
+def test_drawing_tasks_that_raises_ends_the_run(tmp_path, glm5_server, glm5_v0):
     out = tmp_path / "run"
-    _publish_v0(out, weights)
-    cfg = _config(out, server)
+    publish_v0(out, glm5_v0)
+    cfg = _config(out, glm5_server)
     with pytest.raises(RunFailed) as err:
         _run(cfg, NoTasks(cfg.env))
     assert str(err.value) == ("the group starter (drawing tasks, starting groups) failed: "
                               "ValueError: the task file /data/tasks.jsonl is gone")
 
 
-def test_starting_a_group_that_raises_ends_the_run(tmp_path, server, weights):
+def test_starting_a_group_that_raises_ends_the_run(tmp_path, glm5_server, glm5_v0):
     out = tmp_path / "run"
-    _publish_v0(out, weights)
-    cfg = _config(out, server)
+    publish_v0(out, glm5_v0)
+    cfg = _config(out, glm5_server)
     with pytest.raises(RunFailed, match="the group starter .* failed: TypeError: environment 'reverse-text' "
                                         "yielded a int from its train split, not a primerl.envs.Task"):
         _run(cfg, NotTasks(cfg.env))
 
 
-def test_a_user_error_while_drawing_keeps_its_own_message(tmp_path, server, weights):
+def test_a_user_error_while_drawing_keeps_its_own_message(tmp_path, glm5_server, glm5_v0):
     out = tmp_path / "run"
-    _publish_v0(out, weights)
-    cfg = _config(out, server)
+    publish_v0(out, glm5_v0)
+    cfg = _config(out, glm5_server)
 
     class BadFile(NoTasks):
         def tasks(self, split):
@@ -131,10 +101,10 @@ def test_a_user_error_while_drawing_keeps_its_own_message(tmp_path, server, weig
         _run(cfg, BadFile(cfg.env))
 
 
-def test_writing_a_batch_that_fails_ends_the_run(tmp_path, server, weights):
+def test_writing_a_batch_that_fails_ends_the_run(tmp_path, glm5_server, glm5_v0):
     out = tmp_path / "run"
-    _publish_v0(out, weights)
-    cfg = _config(out, server)
+    publish_v0(out, glm5_v0)
+    cfg = _config(out, glm5_server)
     (out / "rollouts").mkdir(exist_ok=True)
     (out / "rollouts").chmod(0o500)  # batches cannot be written (root ignores modes: a file instead)
     if (out / "rollouts").stat().st_uid == 0:
@@ -145,18 +115,18 @@ def test_writing_a_batch_that_fails_ends_the_run(tmp_path, server, weights):
         _run(cfg, Echo(cfg.env))
 
 
-def test_weights_inference_refuses_end_the_run(tmp_path, server, weights):
+def test_weights_inference_refuses_end_the_run(tmp_path, glm5_server, glm5_v0):
     out = tmp_path / "run"
-    _publish_v0(out, weights, broken=True)  # published (STABLE) but holding no weights
-    cfg = _config(out, server)
+    publish_v0(out, None)  # published (STABLE) but holding no weights
+    cfg = _config(out, glm5_server)
     with pytest.raises(RunFailed, match=r"^the weight watcher failed: RuntimeError: .* could not load weights"):
         _run(cfg, Echo(cfg.env))
 
 
-def test_the_process_prints_the_cause_in_one_line_and_exits_1(tmp_path, server, weights, capsys, monkeypatch):
+def test_the_process_prints_the_cause_in_one_line_and_exits_1(tmp_path, glm5_server, glm5_v0, capsys, monkeypatch):
     out = tmp_path / "run"
-    _publish_v0(out, weights)
-    cfg = _config(out, server)
+    publish_v0(out, glm5_v0)
+    cfg = _config(out, glm5_server)
     registry, load = get_registry(), get_registry().load
     monkeypatch.setattr(registry, "load", lambda kind, name: NoTasks if kind == "env" else load(kind, name))
     with pytest.raises(SystemExit) as code:

@@ -95,6 +95,9 @@ class Environment:
     # run settings the env suggests (``{"orchestrator": {"max_tokens": 64}, "sft": {...}}``):
     # they sit below every config file and flag
     run_defaults: ClassVar[dict[str, Any]] = {}
+    # how the orchestrator turns a task into a group of samples ("module:attr" of a
+    # primerl.envs.rollouts.Rollout): set by SingleTurnEnv, MultiTurnEnv and AgentEnv
+    rollout: ClassVar[str | None] = None
 
     def __init__(self, config: EnvConfig | None = None):
         self.config = config if config is not None else self.Config()
@@ -135,6 +138,8 @@ class PreparableEnv(Protocol):
 
 class SingleTurnEnv(Environment):
     """One prompt, one completion, one reward in [0, 1]."""
+
+    rollout: ClassVar[str | None] = "primerl.envs.rollouts:SingleTurn"
 
     def reward(self, task: Task, completion: str) -> float:
         raise NotImplementedError

@@ -92,6 +92,7 @@ class AgentEnv(Environment):
     """
 
     Config: ClassVar[type[EnvConfig]] = AgentConfig
+    rollout: ClassVar[str | None] = "primerl.envs.rollouts:Agent"
 
     def run_group(self, task: Task, endpoint: Endpoint, n: int) -> list[Episode]:
         """``n`` episodes of ``task`` sampled from ``endpoint``; rewards may be group-relative."""

@@ -64,6 +64,7 @@ class MultiTurnEnv(Environment):
     """The model and the env alternate until ``respond`` says done or ``max_turns`` is hit."""
 
     Config: ClassVar[type[EnvConfig]] = MultiTurnConfig
+    rollout: ClassVar[str | None] = "primerl.envs.rollouts:MultiTurn"
 
     def setup(self, task: Task) -> dict[str, Any]:
         """Per-episode state, created before the first model turn (e.g. a scratch checkout)."""

@@ -36,11 +36,12 @@ current weights (``inference/resent``, ``inference/servers_up`` in each batch's 
 samples leave as :class:`~primerl.samples.Sample` records, paths come from
 :class:`~primerl.rundir.RunDir`.
 
-Environments score completions here (``env.score``); tool and multi-turn environments
-run their episodes through the same client, their turns computed in env worker processes.
-An :class:`~primerl.envs.agent.AgentEnv` (the verifiers bridge, agent harnesses) runs
-whole groups in a worker against the inference endpoint and returns its model calls,
-which :func:`~primerl.envs.agent.interleave` turns into token-exact samples.
+A group's samples come from the env's rollout kind (:mod:`primerl.envs.rollouts`, named by
+``env.rollout``): single-turn (one chat request with ``n``, the env scores each completion),
+multi-turn (token-exact episodes, the env's turns computed in its worker processes), or
+agent (the env runs the whole group in a worker against an inference endpoint; the verifiers
+bridge, agent harnesses). How many groups are started is derived from where they are
+(:attr:`Orchestrator.started`), never counted up and down by hand.
 """
 
 from __future__ import annotations
@@ -64,16 +65,15 @@ import attrs
 from primerl.advantages import compute_advantages
 from primerl.config import RunConfig
 from primerl.envs import Environment, Task, TaskError
-from primerl.envs.agent import AgentConfig, AgentEnv, Endpoint, interleave
-from primerl.envs.multiturn import MultiTurnConfig, MultiTurnEnv, prompt_ids, turn_suffix
+from primerl.envs.rollouts import RolloutContext
 from primerl.envs.workers import EnvWorkers
 from primerl.errors import PrimerlError
-from primerl.inference import RoutedExperts, inference_urls
+from primerl.inference import inference_urls
 from primerl.orchestrator.client import Client, inference_client
-from primerl.registry import get_registry
+from primerl.registry import get_registry, load_target
 from primerl.resume import usable_checkpoint
 from primerl.rundir import ORCHESTRATOR_STATE, RunDir, step_name, write_atomically
-from primerl.samples import NO_VERSION, RolloutBatch, Sample, decode_routed_experts, write_batch
+from primerl.samples import RolloutBatch, Sample, write_batch
 
 POSITION_FORMAT = "primerl.orchestrator_state"  # rollouts/step_n.state.json, checkpoints/step_n/orchestrator_state.json
 POSITION_VERSION = 1
@@ -184,8 +184,8 @@ class Orchestrator:
         self.run_dir = RunDir(cfg.output_dir)
         self.groups_per_batch = self.o.batch_size // self.o.group_size
         self.version = -1  # newest version loaded into inference (-1: none yet)
-        self.started = 0  # groups started (minus those refunded after a drop), batches before a resume included
         self.finished: asyncio.Queue[Group] = asyncio.Queue()
+        self.batching: list[Group] = []  # the groups of the batch being filled
         self.in_flight: dict[asyncio.Task, Group] = {}
         self.tokens_since_batch = 0
         self.version_changed = asyncio.Event()
@@ -197,7 +197,7 @@ class Orchestrator:
         position = self._read_position(self.resume_step) if found is not None else None
         self.drawn = position.drawn if position is not None else 0
         self.pending: dict[int, Task] = {}  # drawn tasks in no batch yet, by draw
-        self.started = self.resume_step * self.groups_per_batch
+        self.batches_written = self.resume_step  # batches before a resume included
         self.tasks = self._task_stream(position)
         self.eval_tasks: list[Task] = []  # the eval split's first eval_tasks tasks, read at start when eval_every
         self.eval_results: list[dict[str, float]] = []  # finished evaluations, logged with the next batch
@@ -207,15 +207,29 @@ class Orchestrator:
                                          thread_name_prefix="score")
         # the engine's routed experts travel with each sample for R3 and the routing metrics
         self.want_routed = cfg.trainer.router_replay or cfg.trainer.routing_metrics
-        self.workers: EnvWorkers | None = None
         self.closing = False
-        self.tokenizer: Any = None
-        if isinstance(env, MultiTurnEnv):
-            # multi-turn envs run in worker processes; appending env turns needs the tokenizer
-            self.workers = EnvWorkers(cfg.env.name, cfg.env, self.o.env_workers)
-            self.tokenizer = get_registry().load("model", cfg.model.name)().tokenizer(cfg.model)
-        elif isinstance(env, AgentEnv):
-            self.workers = EnvWorkers(cfg.env.name, cfg.env, self.o.env_workers)
+        if not env.rollout:
+            raise PrimerlError(f"environment '{cfg.env.name}' ({type(env).__name__}) has no rollout kind: subclass "
+                               "primerl.envs.SingleTurnEnv, primerl.envs.multiturn.MultiTurnEnv or "
+                               "primerl.envs.agent.AgentEnv")
+        kind = load_target(env.rollout)
+        # multi-turn and agent envs run in worker processes; appending env turns needs the tokenizer
+        self.workers = EnvWorkers(type(env), cfg.env, self.o.env_workers) if kind.uses_workers else None
+        self.tokenizer = (get_registry().load("model", cfg.model.name)().tokenizer(cfg.model)
+                          if kind.needs_tokenizer else None)
+        self.kind = kind(RolloutContext(cfg=cfg, env=env, client=client, workers=self.workers,
+                                        tokenizer=self.tokenizer, scorer=self.scorer, want_routed=self.want_routed,
+                                        closing=lambda: self.closing))
+
+    @property
+    def started(self) -> int:
+        """Groups that count toward the batches generation may run ahead to: those of written
+        batches (a resume's included), of the batch being filled, finished ones waiting, and
+        those in flight. A group dropped as stale, cancelled or failed no longer counts: a
+        fresh group takes its place."""
+        in_flight = sum(1 for g in self.in_flight.values() if not g.cancelled)
+        return (self.batches_written * self.groups_per_batch + len(self.batching) + self.finished.qsize()
+                + in_flight)
 
     def _draws(self) -> Iterator[tuple[int, Task]]:
         """Every task the run draws, numbered: the train split, reshuffled each epoch."""
@@ -326,7 +340,6 @@ class Orchestrator:
                 job = asyncio.create_task(self.rollout(group))
                 self.in_flight[job] = group
                 job.add_done_callback(self._on_done)
-                self.started += 1
             self.version_changed.clear()
             try:
                 await asyncio.wait_for(self.version_changed.wait(), timeout=0.05)
@@ -343,8 +356,7 @@ class Orchestrator:
             self.failures.succeeded()
             self.finished.put_nowait(group)
             return
-        self.started -= 1  # a fresh group takes its place
-        self.pending.pop(group.draw, None)
+        self.pending.pop(group.draw, None)  # a fresh group takes its place
         if isinstance(exc, PrimerlError):  # the user's setup is wrong: no other group will fare better
             if self.broken is not None and not self.broken.done():
                 self.broken.set_result(str(exc))
@@ -356,175 +368,26 @@ class Orchestrator:
             self.broken.set_result(self.failures.verdict())
 
     async def rollout(self, group: Group, train: bool = True) -> None:
-        """Fill ``group.samples``; ``train`` False (evaluation) leaves the throughput count alone."""
-        if isinstance(self.env, AgentEnv):
-            await self.agent_rollout(group)
-        elif self.workers is not None:
-            await self.multi_turn_rollout(group)
-        else:
-            await self.single_turn_rollout(group)
+        """Fill ``group.samples`` with the env's rollout kind; ``train`` False (evaluation)
+        leaves the throughput count alone."""
+        await self.kind.run(group)
         if train:
             self.tokens_since_batch += group.tokens
-
-    async def single_turn_rollout(self, group: Group) -> None:
-        """One chat request with ``n = group.size``: the prompt is prefilled once."""
-        o = self.o
-        body = {
-            "model": self.cfg.model.name,
-            "messages": group.task.messages(self.env.system_prompt),
-            "n": group.size, "max_tokens": o.max_tokens, "temperature": group.temperature, "top_p": o.top_p,
-            "logprobs": True, "return_routed_experts": self.want_routed,
-        }
-        resp = await self.client.chat(body, session=group.session)
-        prompt = resp["prompt_token_ids"]
-        loop = asyncio.get_running_loop()
-        rewards = await asyncio.gather(*(  # score the group's samples concurrently
-            loop.run_in_executor(self.scorer, self.env.score, group.task, c["message"]["content"] or "")
-            for c in resp["choices"]
-        ))
-        for choice, reward in zip(resp["choices"], rewards):
-            ids = choice["token_ids"]
-            n_prompt = len(prompt)
-            group.samples.append(Sample(
-                tokens=prompt + ids,
-                loss_mask=[0] * n_prompt + [1] * len(ids),
-                logprobs=[0.0] * n_prompt + [c["logprob"] for c in choice["logprobs"]["content"]],
-                versions=[NO_VERSION] * n_prompt + choice["policy_versions"],
-                reward=reward,
-                temperature=group.temperature,
-                routed_experts=decode_routed_experts(choice.get("routed_experts")),
-                task_id=group.task.id,
-            ))
-            group.tokens += len(ids)
-
-    async def multi_turn_rollout(self, group: Group) -> None:
-        """``group.size`` independent episodes of one task; any failed episode fails the group."""
-        timeout = self.cfg.env.episode_timeout_s if isinstance(self.cfg.env, MultiTurnConfig) else None
-        jobs = [asyncio.create_task(self.episode(group.task, f"{group.session}-{i}", group.temperature))
-                for i in range(group.size)]
-        try:
-            _, late = await asyncio.wait(jobs, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-        finally:  # a failed, late or cancelled group stops its other episodes and collects every outcome
-            for job in jobs:
-                job.cancel()
-            outcomes = await asyncio.gather(*jobs, return_exceptions=True)
-        failed = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, asyncio.CancelledError)]
-        if failed:
-            raise failed[0]
-        if late:
-            raise TimeoutError(f"an episode of task {group.task.id} took longer than env.episode_timeout_s "
-                               f"({timeout:.0f}s)")
-        episodes = outcomes
-        for sample in episodes:
-            group.samples.append(sample)
-            group.tokens += sample.sampled_tokens
-
-    async def agent_rollout(self, group: Group) -> None:
-        """The env runs the group in a worker; every episode's calls become samples.
-
-        The worker calls the inference server itself, so a server lost during the group
-        cannot be re-sent call by call: the whole group runs again on another server
-        (counted in ``inference/resent``) and the lost attempt's episodes are discarded."""
-        o = self.o
-        timeout = self.cfg.env.episode_timeout_s if isinstance(self.cfg.env, AgentConfig) else None
-        while True:
-            url, token = await self.client.endpoint(group.session)
-            endpoint = Endpoint(
-                base_url=url + "/v1", model=self.cfg.model.name, max_tokens=o.max_tokens,
-                temperature=group.temperature, top_p=o.top_p, max_model_len=self.cfg.inference.max_model_len,
-                return_routed_experts=self.want_routed, api_key=self.cfg.inference.resolved_api_key())
-            try:
-                episodes = await self.workers.call("run_group", group.task, endpoint, group.size, timeout=timeout)
-            except Exception:
-                if await self.client.lost_since(url, token):
-                    self.client.count_resent()
-                    continue
-                raise
-            if any(ep.error for ep in episodes) and await self.client.lost_since(url, token):
-                self.client.count_resent()
-                continue
-            break
-        for i, ep in enumerate(episodes):
-            if ep.error:
-                log(f"episode of task {group.task.id} ended early: {ep.error}")
-            group.env_metrics.append(ep.metrics)
-            for sample in interleave(ep.calls):
-                sample.reward, sample.temperature = float(ep.reward), group.temperature
-                sample.task_id, sample.episode = group.task.id, i
-                group.samples.append(sample)
-                group.tokens += sample.sampled_tokens
-        if not group.samples:
-            raise RuntimeError(f"no episode of task {group.task.id} sampled a token")
-
-    async def episode(self, task: Task, session: str, temperature: float) -> Sample:
-        """One token-exact multi-turn episode: model turns via /v1/completions on the
-        growing token sequence, env turns from the env workers, appended as tokens."""
-        o, env, tok = self.o, self.env, self.tokenizer
-        env_cfg: MultiTurnConfig = self.cfg.env
-        turn_timeout = env_cfg.turn_timeout_s
-        max_len = self.cfg.inference.max_model_len
-        state = await self.workers.call("setup", task, timeout=turn_timeout)
-        try:
-            messages = task.messages(env.system())
-            ids = prompt_ids(tok, messages)
-            mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [NO_VERSION] * len(ids)
-            routed: RoutedExperts | None = None
-            end = len(ids)
-            for _ in range(env_cfg.max_turns):
-                budget = min(o.max_tokens, max_len - len(ids) - 1)
-                if budget <= 0:
-                    break
-                resp = await self.client.completions({
-                    "model": self.cfg.model.name, "prompt": ids, "max_tokens": budget,
-                    "temperature": temperature, "top_p": o.top_p, "logprobs": 0,
-                    "return_routed_experts": self.want_routed,
-                }, session=session)
-                choice = resp["choices"][0]
-                out = choice["token_ids"]
-                ids, mask = ids + out, mask + [1] * len(out)
-                logprobs += choice["logprobs"]["token_logprobs"]
-                versions += choice["policy_versions"]
-                routed = choice.get("routed_experts") or routed
-                end = len(ids)  # the trajectory ends with a model turn: later env tokens teach nothing
-                text = tok.decode(out, skip_special_tokens=True)
-                turn = await self.workers.call("step", task, state, text, timeout=turn_timeout)
-                state = turn.state
-                messages = messages + [{"role": "assistant", "content": text}]
-                if turn.done or not turn.messages:
-                    break
-                delta = turn_suffix(tok, messages, turn.messages)
-                messages = messages + turn.messages
-                if len(ids) + len(delta) >= max_len:
-                    break  # no room for another model turn
-                ids, mask = ids + delta, mask + [0] * len(delta)
-                logprobs, versions = logprobs + [0.0] * len(delta), versions + [NO_VERSION] * len(delta)
-            reward = await self.workers.call("score", task, state, timeout=turn_timeout)
-        finally:
-            try:
-                if not self.closing:  # at shutdown the workers' env.close() releases everything
-                    await self.workers.call("cleanup", task, state, timeout=turn_timeout)
-            except Exception as e:  # noqa: BLE001 - cleanup failing must not lose the episode
-                log(f"cleanup of task {task.id} failed: {e}")
-        return Sample(tokens=ids[:end], loss_mask=mask[:end], logprobs=logprobs[:end], versions=versions[:end],
-                      reward=reward, temperature=temperature, routed_experts=decode_routed_experts(routed),
-                      task_id=task.id, turns=sum(1 for m in messages if m["role"] == "assistant"))
 
     # ---- batches --------------------------------------------------------------------------
     async def write_batches(self) -> None:
         last = time.monotonic()
         for n in range(self.resume_step + 1, self.cfg.max_steps + 1):
-            groups: list[Group] = []
+            groups = self.batching
             dropped = 0
             while len(groups) < self.groups_per_batch:
                 group = await self.finished.get()
                 staleness = (n - 1) - group.oldest_version
+                self.pending.pop(group.draw, None)
                 if staleness > self.o.max_off_policy_steps:
-                    dropped += len(group.samples)
-                    self.started -= 1  # let a fresh group take its place
-                    self.pending.pop(group.draw, None)
+                    dropped += len(group.samples)  # a fresh group takes its place
                     continue
                 groups.append(group)
-                self.pending.pop(group.draw, None)
             self.cancel_hopeless(n + 1)
             position = DataPosition(step=n, drawn=self.drawn,
                                     pending=tuple((i, t.id) for i, t in sorted(self.pending.items())))
@@ -548,7 +411,7 @@ class Orchestrator:
                 "off_policy/mean": sum(staleness) / len(staleness),
                 "dropped_stale": dropped,
                 **self.failures.take_metrics(),
-                **(self.client.take_metrics() if self.client is not None else {}),
+                **self.client.take_metrics(),
                 "inference/policy_version": self.version,
                 "throughput/tokens_per_s": self.tokens_since_batch / max(now - last, 1e-9),
                 "orchestrator/batch_seconds": now - last,
@@ -569,6 +432,7 @@ class Orchestrator:
             last = now
             await asyncio.to_thread(self._write_batch, RolloutBatch(step=n, samples=samples, metrics=metrics),
                                     position.record([g.draw for g in groups if g.draw is not None]))
+            self.batches_written, self.batching = n, []
             log(f"batch {n}: reward {metrics['reward/mean']:.3f}, staleness max {metrics['off_policy/max']}, "
                 f"dropped {dropped}, inference v{self.version}")
             if self.o.eval_every and n % self.o.eval_every == 0 and n < self.cfg.max_steps:
@@ -583,9 +447,8 @@ class Orchestrator:
         """Cancel in-flight groups that would be too stale even for the next batch."""
         for job, group in list(self.in_flight.items()):
             if not group.cancelled and (next_batch - 1) - group.start_version > self.o.max_off_policy_steps:
-                group.cancelled = True
+                group.cancelled = True  # no longer counted as started
                 job.cancel()
-                self.started -= 1
                 self.pending.pop(group.draw, None)
 
     async def run(self) -> None:
