@@ -15,8 +15,8 @@ What the sandbox guarantees (tested by trying each escape, see tests/envs/test_s
 
 The interpreter running primerl is the one that runs the tests: its prefixes (``sys.prefix``,
 ``sys.base_prefix``, the exec prefixes, the directory of ``sys.executable`` and of its real
-path) are bound read-only *after* the private ``/tmp``, so a virtual environment under
-``/tmp`` stays visible. Inside the sandbox ``python``/``python3`` are that interpreter and
+path, the directories on its ``sys.path``) are bound read-only *after* the private ``/tmp``,
+so a virtual environment under ``/tmp``, or one layered over it, stays visible. Inside the sandbox ``python``/``python3`` are that interpreter and
 its scripts directory (where ``pytest`` is) is on ``PATH``.
 
 A run that could not start (bubblewrap's own error: no user namespaces, a bind source
@@ -109,16 +109,19 @@ def python() -> str:
 
 def interpreter_paths() -> list[str]:
     """What the running interpreter needs, wherever it lives: its prefixes, its scripts
-    directory, the directory of ``sys.executable`` and of its real path (symlinks resolved
-    too), deduplicated, without ``/`` and without paths inside another one of the list."""
+    directory, the directory of ``sys.executable`` and of its real path, and every directory
+    on its ``sys.path`` (site directories a ``.pth`` added: a venv layered over another one
+    under ``/tmp``), symlinks resolved too, deduplicated, without ``/`` and without paths
+    inside another one of the list."""
     exe = python()
     cands = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, sysconfig.get_path("scripts"),
-             os.path.dirname(exe), os.path.dirname(os.path.realpath(exe))]
+             os.path.dirname(exe), os.path.dirname(os.path.realpath(exe)), *(p for p in sys.path if p)]
+    private = ("/tmp", os.path.realpath("/tmp"))  # never the private /tmp itself, nor what holds it
     paths = set()
     for c in cands:
         if c:
             for p in (os.path.abspath(c), os.path.realpath(c)):
-                if p != "/" and os.path.isdir(p):
+                if os.path.isdir(p) and not any(t == p or t.startswith(p.rstrip("/") + "/") for t in private):
                     paths.add(p)
     return sorted(p for p in paths if not any(q != p and p.startswith(q.rstrip("/") + "/") for q in paths))
 
