@@ -159,6 +159,42 @@ def test_the_nccl_weight_channel_needs_a_backend_that_receives_it():
         load_config(ConfigSources(overrides=[("trainer.weight_channel", "nccl")]))
 
 
+def test_trainer_settings_the_model_does_not_support_are_refused_naming_the_key(tmp_path):
+    """The model plugin's ModelCapabilities decide: Nemotron's Mamba-2 scan cannot be split
+    over cp ranks, while its experts can be split over ep ranks."""
+    nemotron = [("model.name", "nemotron"), ("trainer.nproc", "2")]
+    with pytest.raises(ConfigError) as e:
+        load_config(ConfigSources(overrides=[*nemotron, ("trainer.parallel.cp", "2")]))
+    assert str(e.value) == ("trainer.parallel.cp (from the command line (--trainer.parallel.cp)): model 'nemotron' (preset 'tiny') does not "
+                            "support context parallel: set it to 1")
+    assert load_config(ConfigSources(overrides=[*nemotron, ("trainer.parallel.ep", "2")])).trainer.parallel.ep == 2
+    # a checkpoint of another architecture is named in one line at config time
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=r"^model.checkpoint \(.*--model.checkpoint\)\): .*config.json is a 'llama' "
+                                          r"model, not glm_moe_dsa$"):
+        load_config(ConfigSources(overrides=[("model.checkpoint", str(tmp_path / "ckpt"))]))
+
+
+def test_a_checkpoint_without_moe_layers_has_no_experts_to_split_or_replay(tmp_path):
+    import json
+
+    from primerl.models import ModelConfig
+    from primerl.registry import get_registry
+
+    adapter = get_registry().load("model", "qwen3-moe")()
+    caps = adapter.capabilities(ModelConfig(name="qwen3-moe"))
+    assert caps.expert_parallel and caps.router_replay and caps.context_parallel
+    hf = adapter.hf_config("tiny")
+    (tmp_path / "config.json").write_text(json.dumps(hf | {"mlp_only_layers": list(range(hf["num_hidden_layers"]))}))
+    caps = adapter.capabilities(ModelConfig(name="qwen3-moe", checkpoint=str(tmp_path)))
+    assert not caps.expert_parallel and not caps.router_replay and caps.context_parallel
+    with pytest.raises(ConfigError, match=r"^trainer.router_replay .*model 'qwen3-moe' \(checkpoint .*\) does not "
+                                          r"support router replay: leave it off$"):
+        load_config(ConfigSources(overrides=[("model.name", "qwen3-moe"), ("model.checkpoint", str(tmp_path)),
+                                             ("trainer.router_replay", "true")]))
+
+
 def test_router_options_must_fit_the_routers_constructor():
     cfg = load_config(ConfigSources(overrides=[("inference.router", "sticky"),
                                                ("inference.router_options", "{poll_s = 2}")]))

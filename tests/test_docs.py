@@ -60,3 +60,44 @@ def test_config_reference_reads_comments_not_strings():
     from primerl.config_reference import field_comments
 
     assert field_comments(_Commented) == {"a": "above, on two lines and inline", "c": "in the call"}
+
+
+def _members(cls) -> set[str]:
+    """The public members a kind's Protocol or base class declares (methods, properties,
+    annotated attributes), its own and its bases' within primerl."""
+    out = set()
+    for klass in cls.__mro__:
+        if klass is object or not klass.__module__.startswith("primerl"):
+            continue
+        out |= {n for n in vars(klass) if not n.startswith("_")}
+        out |= {n for n in getattr(klass, "__annotations__", {}) if not n.startswith("_")}
+    return out
+
+
+def _kinds():
+    from primerl.envs import CheckableEnv, Environment, PreparableEnv
+    from primerl.inference import InferenceBackend, WeightSender
+    from primerl.kv_stores import KVStore, ReportsEvictions
+    from primerl.launchers import Launcher
+    from primerl.models import ModelAdapter
+    from primerl.parallel import Parallelism
+    from primerl.routers import Router
+
+    return {"register_models": [ModelAdapter], "register_envs": [Environment, CheckableEnv, PreparableEnv],
+            "register_routers": [Router], "register_kv_stores": [KVStore, ReportsEvictions],
+            "register_parallelisms": [Parallelism], "register_inference_backends": [InferenceBackend, WeightSender],
+            "register_launchers": [Launcher]}
+
+
+def test_every_member_of_a_kinds_protocol_is_documented_in_its_section():
+    """docs/plugins.md names, in the hook's section, every member the kind's Protocol (or base
+    class) declares: what the core relies on is what a plugin author reads."""
+    text = (REPO / "docs" / "plugins.md").read_text()
+    missing = {}
+    for hook, classes in _kinds().items():
+        section = text.split(f"### `{hook}(register)`", 1)[1].split("\n### ", 1)[0]
+        for cls in classes:
+            names = sorted(m for m in _members(cls) if not re.search(rf"`{m}\b", section))
+            if names:
+                missing[f"{hook}: {cls.__name__}"] = names
+    assert missing == {}

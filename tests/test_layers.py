@@ -133,11 +133,46 @@ def test_the_core_compares_no_built_in_plugin_name():
     assert [hit for path in sorted(CORE.rglob("*.py")) for hit in name_compares(path, names)] == []
 
 
+def model_types() -> set[str]:
+    """Every HF ``model_type`` a built-in model plugin implements (what the core must not branch on)."""
+    from primerl.registry import get_registry
+
+    return {t for c in get_registry().of_kind("model") if c.error is None and (c.distribution or "").startswith("primerl")
+            for t in c.load().model_types}
+
+
+def architecture_strings(path: Path, types: set[str]) -> list[str]:
+    """String constants in code (not docstrings) naming an architecture's ``model_type``, and
+    tests of a key only one architecture's HF config has (``"kv_lora_rank" in hf``): either
+    would make the core plan or check a model by what it is."""
+    keys = {"kv_lora_rank", "index_topk", "hybrid_override_pattern", "layers_block_type", "mamba_num_heads"}
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef)
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    tested = {id(o) for n in ast.walk(tree) if isinstance(n, ast.Compare) for o in (n.left, *n.comparators)}
+    return [f"{_where(path)}:{n.lineno} {n.value!r}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and id(n) not in docs and isinstance(n.value, str)
+            and (n.value in types or n.value.startswith(tuple(t + "." for t in types))
+                 or (n.value in keys and id(n) in tested))]
+
+
+def test_the_core_names_no_architecture_outside_its_model_library():
+    """Planning and config checks ask the model plugin (ModelAdapter.shape, .capabilities);
+    only primerl.models (the building blocks the plugins assemble) knows architectures."""
+    types = model_types()
+    assert {"glm_moe_dsa", "deepseek_v3", "nemotron_h", "qwen3_moe"} <= types
+    paths = [p for p in sorted(CORE.rglob("*.py")) if not p.is_relative_to(CORE / "models")]
+    assert [hit for path in paths for hit in architecture_strings(path, types)] == []
+
+
 def test_the_seam_checks_see_what_they_check(tmp_path):
     f = tmp_path / "m.py"
     f.write_text('if cfg.inference.backend == "vllm" or t.resolved_parallelism() in ("fsdp",):\n'
                  '    x = getattr(router, "servers_up", None)\n')
     assert len(name_compares(f, {"vllm", "fsdp"})) == 2 and len(probes(f)) == 1
+    g = tmp_path / "g.py"
+    g.write_text('"""nemotron_h"""\nmamba = hf.get("model_type") == "nemotron_h"\nmla = "kv_lora_rank" in hf\nr = hf["kv_lora_rank"]\n')
+    assert [h.split(" ", 1)[1] for h in architecture_strings(g, {"nemotron_h"})] == ["'nemotron_h'", "'kv_lora_rank'"]
 
 
 # the environment variables a user sets (the API key is a secret; the plugin lists and the

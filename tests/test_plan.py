@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import run_cli
 
-from primerl.plan import GB, Cluster, Layout, load_shape, memory, model_shape, plan
+from primerl.plan import GB, Cluster, Layout, load_shape, memory, plan
 from primerl.registry import get_registry
 
 MODELS = ("glm5", "kimi", "nemotron", "qwen3-moe")
@@ -26,7 +26,7 @@ def _small_presets():
 def _check_counts(adapter, hf, model):
     """The planner's count of ``hf`` against the model built from it: total, experts,
     buffers, and every decoder layer on its own."""
-    shape = model_shape(hf, adapter.moe_layers(hf)[0])
+    shape = adapter.shape(hf)
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert shape.buffers == sum(b.numel() for b in model.buffers())
     assert shape.expert_params_total == sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)

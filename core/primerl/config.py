@@ -751,6 +751,7 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
     cfg.inference = structure(inference_cls, raw.get("inference", {}), "inference", sources)
     cfg.launcher = structure(launcher_cls, raw.get("launcher", {}), "launcher", sources)
     cfg.check(sources)
+    _check_model(cfg, reg, sources)
     _check_components(cfg, reg, sources)
     _check_pd(cfg, sources)
     cfg.inference.check(cfg, sources)  # the backend's rules that need the whole run
@@ -804,6 +805,31 @@ COMPONENT_KEYS = {
 
 # a component key -> the key holding its constructor's keyword arguments
 OPTIONS_KEYS = {"inference.router": "inference.router_options", "inference.kv_store": "inference.kv_store_options"}
+
+
+# what a trainer setting asks of the model: (key, is it asked, does ModelCapabilities grant it, in words, the fix)
+MODEL_NEEDS = (
+    ("trainer.parallel.ep", lambda t: t.parallel.ep > 1, lambda c: c.expert_parallel, "expert parallel", "set it to 1"),
+    ("trainer.parallel.cp", lambda t: t.parallel.cp > 1, lambda c: c.context_parallel, "context parallel", "set it to 1"),
+    ("trainer.router_replay", lambda t: t.router_replay, lambda c: c.router_replay, "router replay", "leave it off"),
+    ("trainer.fp8", lambda t: t.fp8, lambda c: c.fp8, "FP8 training", "leave it off"),
+)
+
+
+def _check_model(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
+    """Trainer settings the model must support (its plugin's ModelCapabilities for this
+    preset or checkpoint): refused here, naming the key, not in a rank minutes later."""
+    adapter = reg.load("model", cfg.model.name)()
+    try:
+        caps = adapter.capabilities(cfg.model)
+    except (OSError, ValueError) as exc:
+        key = "model.checkpoint" if cfg.model.checkpoint else "model.preset"
+        raise ConfigError(f"{key} ({_src(sources, key)}): {exc}") from None
+    for key, asked, granted, words, fix in MODEL_NEEDS:
+        if asked(cfg.trainer) and not granted(caps):
+            what = f"checkpoint {cfg.model.checkpoint}" if cfg.model.checkpoint else f"preset '{cfg.model.preset}'"
+            raise ConfigError(f"{key} ({_src(sources, key)}): model '{cfg.model.name}' ({what}) does not support "
+                              f"{words}: {fix}")
 
 
 def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:

@@ -1,8 +1,10 @@
 """``primerl plan``: per-GPU memory of training a model preset on a cluster, and a layout that fits.
 
-What: from a model plugin's HF config (``ModelAdapter.hf_config(preset)``, the MoE layers
-from ``ModelAdapter.moe_layout``) this module counts every parameter analytically — no
-model is built, a full preset would need terabytes — and estimates, per GPU, the bytes of
+What: a model plugin describes its preset's layers (``ModelAdapter.shape(hf_config)``, built
+with this module's building blocks: :func:`decoder_shape` for a plain decoder, the mixers,
+MLPs and MoE blocks layer by layer for anything else), so every parameter is counted
+analytically — no model is built, a full preset would need terabytes — and this module
+estimates, per GPU, the bytes of
 parameters, gradients, AdamW state, activations and FSDP2 all-gather buffers for a layout
 ``dp_replicate x dp_shard x cp`` (= nodes x GPUs per node) with expert parallel ``ep``
 carved out of ``dp_shard x cp`` as torchtitan does. It then searches every valid layout of
@@ -84,7 +86,7 @@ Light at import (no torch): ``primerl plan`` must answer for a 744B model on a l
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -207,7 +209,7 @@ def _linear(n_in: int, n_out: int, bias: bool = False) -> int:
     return n_in * n_out + (n_out if bias else 0)
 
 
-def _mlp(hidden: int, inter: int, *, gated: bool, bias: bool = False) -> tuple[int, list[Saved]]:
+def dense_mlp(hidden: int, inter: int, *, gated: bool, bias: bool = False) -> tuple[int, list[Saved]]:
     """A dense MLP's parameters and saved tensors (SwiGLU when ``gated``, else relu2)."""
     params = (3 if gated else 2) * hidden * inter + ((2 if gated else 1) * inter + hidden if bias else 0)
     saved = ([Saved("mlp gate and up", 2 * inter)] if gated else [Saved("mlp up", inter)]) + [
@@ -217,7 +219,7 @@ def _mlp(hidden: int, inter: int, *, gated: bool, bias: bool = False) -> tuple[i
     return params, saved
 
 
-def _moe(hf: Mapping[str, Any], hidden: int, *, n_experts: int, top_k: int, inter: int, gated: bool,
+def moe_block(hf: Mapping[str, Any], hidden: int, *, n_experts: int, top_k: int, inter: int, gated: bool,
          shared_inter: int, shared_bias: bool, router_bias: bool, latent: int | None) -> tuple[Layer, int]:
     """An MoE block (routed experts, router, shared expert, latent projections) as a partial
     Layer, and the parameters of one routed expert."""
@@ -241,14 +243,14 @@ def _moe(hf: Mapping[str, Any], hidden: int, *, n_experts: int, top_k: int, inte
         layer.quantisable += 2 * hidden * latent
         layer.saved += [Saved("latent projection output", latent), Saved("latent output (fc2 input)", latent, "linear")]
     if shared_inter:
-        params, saved = _mlp(hidden, shared_inter, gated=gated, bias=shared_bias)
+        params, saved = dense_mlp(hidden, shared_inter, gated=gated, bias=shared_bias)
         layer.dense += params
         layer.quantisable += (3 if gated else 2) * hidden * shared_inter
         layer.saved += [Saved("shared " + s.name, s.per_token, s.dtype) for s in saved]
     return layer, per_expert
 
 
-def _norm_residual(hidden: int, norms: int) -> list[Saved]:
+def norm_residual(hidden: int, norms: int) -> list[Saved]:
     """What the pre-norm residual structure of a layer saves besides its mixer and MLP."""
     saved = [Saved("normalised input (projection input)", hidden, "linear"), Saved("norm statistics", norms, "fp32")]
     if norms == 2:
@@ -256,7 +258,7 @@ def _norm_residual(hidden: int, norms: int) -> list[Saved]:
     return saved
 
 
-def _mla(hf: Mapping[str, Any], layer: Layer, *, dsa: bool, seq_len: int) -> None:
+def mla_mixer(hf: Mapping[str, Any], layer: Layer, *, dsa: bool, seq_len: int) -> None:
     """Multi-head latent attention (DeepSeek-V3, Kimi K2, GLM-5), with GLM-5's DSA indexer
     on its "full" layers (``dsa``)."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -290,7 +292,7 @@ def _mla(hf: Mapping[str, Any], layer: Layer, *, dsa: bool, seq_len: int) -> Non
         layer.index_key_dim = d_idx
 
 
-def _gqa(hf: Mapping[str, Any], layer: Layer, *, qk_norm: bool, rope: bool) -> None:
+def gqa_mixer(hf: Mapping[str, Any], layer: Layer, *, qk_norm: bool, rope: bool) -> None:
     """Grouped-query attention (Qwen3-MoE with per-head q/k norms and RoPE; Nemotron-H without)."""
     h, heads, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
     d = hf.get("head_dim") or h // heads
@@ -309,7 +311,7 @@ def _gqa(hf: Mapping[str, Any], layer: Layer, *, qk_norm: bool, rope: bool) -> N
     layer.gathered_keys_per_token = 2 * kv * d
 
 
-def _mamba2(hf: Mapping[str, Any], layer: Layer) -> None:
+def mamba2_mixer(hf: Mapping[str, Any], layer: Layer) -> None:
     """Nemotron-H's Mamba-2 mixer (names and shapes of ``primerl.models.mamba2``)."""
     h = hf["hidden_size"]
     heads, head_dim = hf["mamba_num_heads"], hf["mamba_head_dim"]
@@ -333,31 +335,6 @@ def _mamba2(hf: Mapping[str, Any], layer: Layer) -> None:
     ]
 
 
-# HF conventions for the layer kinds of hybrid (Nemotron-H) configs
-NEMOTRON_CODES = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
-NEMOTRON_LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
-
-
-def _nemotron_kinds(hf: Mapping[str, Any]) -> list[str]:
-    kinds = hf.get("layers_block_type") or hf.get("layer_types")
-    if kinds is None:
-        kinds = [NEMOTRON_CODES[c] for c in hf["hybrid_override_pattern"]]
-    return [NEMOTRON_LEGACY.get(k, k) for k in kinds]
-
-
-def _dsa_layers(hf: Mapping[str, Any], n: int) -> list[str]:
-    """GLM-5's indexer type per layer ("full" runs the indexer, "shared" reuses the previous
-    selection), derived as ``GlmMoeDsaConfig`` does when the list is absent."""
-    kinds = hf.get("indexer_types")
-    pattern = hf.get("index_topk_pattern")
-    if kinds is None and pattern is not None:
-        kinds = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else pattern
-    if kinds is None:
-        freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
-        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
-    return list(kinds)
-
-
 def _mtp_params(hf: Mapping[str, Any], moe_layer: Layer | None) -> tuple[int, int]:
     """(MTP layers, their parameters): DeepSeek-V3's module per layer is one decoder layer
     (an MoE one) plus two input norms, ``eh_proj`` [hidden, 2 hidden] and the shared head's
@@ -369,87 +346,78 @@ def _mtp_params(hf: Mapping[str, Any], moe_layer: Layer | None) -> tuple[int, in
     return n, n * (moe_layer.params + 3 * h + 2 * h * h)
 
 
-def model_shape(hf: Mapping[str, Any], moe_layers: Iterable[int], *, name: str = "", preset: str = "",
-                seq_len: int = 4096) -> ModelShape:
-    """Count a model's parameters and list what each layer saves, from its HF config and
-    the indices of its MoE layers (``ModelAdapter.moe_layout``). ``seq_len`` matters only
-    for GLM-5's DSA (rows no longer than ``index_topk`` make no key selection)."""
-    model_type = hf.get("model_type", "")
-    h, vocab = hf["hidden_size"], hf["vocab_size"]
+def decoder_shape(hf: Mapping[str, Any], moe_layers: Iterable[int], *, attention: str, qk_norm: bool = False,
+                  indexers: Sequence[str] | None = None, deepseek_moe: bool = False, name: str = "",
+                  preset: str = "", seq_len: int = 4096) -> ModelShape:
+    """The shape of a plain decoder (every layer: two norms, attention, then a SwiGLU MLP or
+    an MoE block), from its HF config and the indices of its MoE layers. ``attention`` is
+    ``"gqa"`` (``qk_norm``: per-head q/k RMSNorms, as Qwen3) or ``"mla"``; ``indexers``
+    gives each MLA layer's DSA indexer kind (``"full"`` runs it, ``"shared"`` reuses the
+    previous layer's selection; None: no DSA); ``deepseek_moe``: DeepSeek-V3's MoE (sigmoid
+    router with a score bias, ``n_shared_experts`` shared experts) rather than softmax-routed
+    experts alone. ``seq_len`` matters only with DSA (rows no longer than ``index_topk``
+    make no key selection). Model plugins call it from ``ModelAdapter.shape``."""
+    if attention not in ("gqa", "mla"):
+        raise ValueError(f"attention must be 'gqa' or 'mla', got {attention!r}")
+    h = hf["hidden_size"]
+    n = hf["num_hidden_layers"]
     moe = set(moe_layers)
-    mamba_family = model_type == "nemotron_h"
-    mla = "kv_lora_rank" in hf
-    if not (mamba_family or mla or "num_key_value_heads" in hf):
-        raise PrimerlError(f"model_type {model_type!r}: the planner knows MLA, GQA and Mamba-2 decoders only")
-    kinds = _nemotron_kinds(hf) if mamba_family else None
-    n = len(kinds) if kinds is not None else hf["num_hidden_layers"]
-    dsa = _dsa_layers(hf, n) if "index_topk" in hf else None
-    n_experts = hf.get("n_routed_experts", hf.get("num_experts", hf.get("num_local_experts", 0)))
-    top_k = hf.get("num_experts_per_tok", 0) if moe else 0
+    n_experts, top_k = experts_of(hf) if moe else (0, 0)
     expert_params = 0
-
     layers: list[Layer] = []
     for i in range(n):
-        if mamba_family:
-            kind = kinds[i]
-            layer = Layer(i, {"linear_attention": "mamba2", "full_attention": "gqa"}.get(kind, "none"),
-                          {"moe": "moe", "mlp": "dense"}.get(kind, "none"))
-            layer.dense += h  # the block's norm
-            layer.saved += _norm_residual(h, 1)
-            if kind == "linear_attention":
-                _mamba2(hf, layer)
-            elif kind == "full_attention":
-                _gqa(hf, layer, qk_norm=False, rope=False)
-            elif kind == "mlp":
-                params, saved = _mlp(h, hf["intermediate_size"], gated=False, bias=hf.get("mlp_bias", False))
-                layer.dense += params
-                layer.quantisable += 2 * h * hf["intermediate_size"]
-                layer.saved += saved
-            else:
-                block, expert_params = _moe(
-                    hf, h, n_experts=n_experts, top_k=top_k, inter=hf["moe_intermediate_size"], gated=False,
-                    shared_inter=hf.get("moe_shared_expert_intermediate_size", 0),
-                    shared_bias=hf.get("mlp_bias", False), router_bias=True, latent=hf.get("moe_latent_size"),
-                )
-                _merge(layer, block)
+        layer = Layer(i, attention, "moe" if i in moe else "dense")
+        layer.dense += 2 * h  # input and post-attention norms
+        layer.saved += norm_residual(h, 2)
+        if attention == "mla":
+            full_indexer = indexers is not None and indexers[i] == "full"
+            layer.mixer = "mla_dsa" if indexers is not None else "mla"
+            mla_mixer(hf, layer, dsa=full_indexer, seq_len=seq_len)
+            if full_indexer and i + 1 < n and indexers[i + 1] == "shared" and seq_len > hf["index_topk"]:
+                layer.carry = Saved("DSA selection reused by the next layer", hf["index_topk"], "int32")
         else:
-            layer = Layer(i, "mla" if mla else "gqa", "moe" if i in moe else "dense")
-            layer.dense += 2 * h  # input and post-attention norms
-            layer.saved += _norm_residual(h, 2)
-            if mla:
-                full_indexer = dsa is not None and dsa[i] == "full"
-                layer.mixer = "mla_dsa" if dsa is not None else "mla"
-                _mla(hf, layer, dsa=full_indexer, seq_len=seq_len)
-                if full_indexer and i + 1 < n and dsa[i + 1] == "shared" and seq_len > hf["index_topk"]:
-                    layer.carry = Saved("DSA selection reused by the next layer", hf["index_topk"], "int32")
-            else:
-                _gqa(hf, layer, qk_norm=model_type.startswith("qwen3"), rope=True)
-            if i in moe:
-                deepseek = mla  # DeepSeek-V3 style: sigmoid router with a bias, shared experts
-                block, expert_params = _moe(
-                    hf, h, n_experts=n_experts, top_k=top_k, inter=hf["moe_intermediate_size"], gated=True,
-                    shared_inter=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0) if deepseek else 0,
-                    shared_bias=False, router_bias=deepseek, latent=None,
-                )
-                _merge(layer, block)
-            else:
-                params, saved = _mlp(h, hf["intermediate_size"], gated=True)
-                layer.dense += params
-                layer.quantisable += 3 * h * hf["intermediate_size"]
-                layer.saved += saved
+            gqa_mixer(hf, layer, qk_norm=qk_norm, rope=True)
+        if i in moe:
+            block, expert_params = moe_block(
+                hf, h, n_experts=n_experts, top_k=top_k, inter=hf["moe_intermediate_size"], gated=True,
+                shared_inter=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0) if deepseek_moe else 0,
+                shared_bias=False, router_bias=deepseek_moe, latent=None,
+            )
+            merge_block(layer, block)
+        else:
+            params, saved = dense_mlp(h, hf["intermediate_size"], gated=True)
+            layer.dense += params
+            layer.quantisable += 3 * h * hf["intermediate_size"]
+            layer.saved += saved
         layers.append(layer)
+    return assemble_shape(hf, layers, num_experts=n_experts, top_k=top_k, expert_params=expert_params,
+                          name=name, preset=preset)
 
+
+def experts_of(hf: Mapping[str, Any]) -> tuple[int, int]:
+    """(routed experts, experts per token) of an HF config, under the names HF configs use."""
+    n = hf.get("n_routed_experts", hf.get("num_experts", hf.get("num_local_experts", 0)))
+    return int(n or 0), int(hf.get("num_experts_per_tok", 0) or 0)
+
+
+def assemble_shape(hf: Mapping[str, Any], layers: list[Layer], *, num_experts: int, top_k: int,
+                   expert_params: int, name: str = "", preset: str = "") -> ModelShape:
+    """A :class:`ModelShape` from a model's decoder layers (built with the functions above):
+    embeddings, the head (none when tied), the final norm and the MTP layers' count."""
+    h, vocab = hf["hidden_size"], hf["vocab_size"]
+    moe = any(layer.mlp == "moe" for layer in layers)
     tied = bool(hf.get("tie_word_embeddings", False))
     first_moe = next((layer for layer in layers if layer.mlp == "moe"), None)
     mtp_layers, mtp = _mtp_params(hf, first_moe)
     return ModelShape(
-        name=name, preset=preset, model_type=model_type, hidden=h, vocab=vocab, tied=tied, layers=layers,
-        embed=vocab * h, head=0 if tied else vocab * h, final_norm=h, num_experts=n_experts if moe else 0,
-        top_k=top_k, expert_params=expert_params, mtp_layers=mtp_layers, mtp_params=mtp,
+        name=name, preset=preset, model_type=hf.get("model_type", ""), hidden=h, vocab=vocab, tied=tied,
+        layers=layers, embed=vocab * h, head=0 if tied else vocab * h, final_norm=h,
+        num_experts=num_experts if moe else 0, top_k=top_k if moe else 0, expert_params=expert_params,
+        mtp_layers=mtp_layers, mtp_params=mtp,
     )
 
 
-def _merge(layer: Layer, block: Layer) -> None:
+def merge_block(layer: Layer, block: Layer) -> None:
     layer.dense += block.dense
     layer.experts += block.experts
     layer.quantisable += block.quantisable
@@ -469,9 +437,9 @@ def load_shape(model: str, preset: str, seq_len: int = 4096) -> ModelShape:
         raise PrimerlError(f"--model: {exc}") from None
     if preset not in adapter.presets:
         raise PrimerlError(f"--preset: model '{model}' has no preset '{preset}'; use one of {', '.join(adapter.presets)}")
-    hf = adapter.hf_config(preset)
-    layout = adapter.moe_layout(adapter.Config(name=model, preset=preset))
-    return model_shape(hf, layout["moe_layers"], name=model, preset=preset, seq_len=seq_len)
+    shape = adapter.shape(adapter.hf_config(preset), seq_len=seq_len)
+    shape.name, shape.preset = model, preset
+    return shape
 
 
 # ---------------------------------------------------------------------------------------

@@ -55,6 +55,17 @@ class ModelConfig:
     seed: int = 0  # the random init of a preset's weights (unused with a checkpoint)
 
 
+@attrs.frozen
+class ModelCapabilities:
+    """What a model plugin supports, read by the config check (an unsupported setting is
+    refused in one line before anything starts): the default is a model that supports none."""
+
+    expert_parallel: bool = False  # trainer.parallel.ep > 1: its routed experts can be split over ranks
+    context_parallel: bool = False  # trainer.parallel.cp > 1: its rows can be split over ranks
+    router_replay: bool = False  # trainer.router_replay: the trainer can route as inference did
+    fp8: bool = False  # trainer.fp8: its linears train in block-scaled FP8
+
+
 class ModelAdapter:
     """Base class of model adapters: everything the core asks of a model plugin.
 
@@ -72,6 +83,16 @@ class ModelAdapter:
       HF checkpoint (resume, and weight updates in inference).
     * ``moe_layout(config) -> dict``: ``{"moe_layers": [...], "num_experts": E, "top_k": k}``,
       which layers route tokens among how many experts (empty for a dense model: the default).
+    * ``shape(hf, *, seq_len) -> primerl.plan.ModelShape``: what ``primerl plan`` counts for
+      an HF config (built with ``primerl.plan``'s building blocks); the default says the
+      planner cannot describe this model.
+    * ``capabilities(config) -> ModelCapabilities``: what the model supports (expert and
+      context parallel, router replay, FP8 training), which the config check reads before
+      any process starts; the default is the class's ``supports`` record.
+
+    ``model_types`` lists the HF ``model_type`` values the plugin implements (its
+    checkpoints' ``config.json``), so a generic adapter can name the plugin made for a
+    checkpoint.
 
     :class:`HFModelAdapter` implements all of them for HF-compatible architectures.
     """
@@ -79,6 +100,8 @@ class ModelAdapter:
     name: ClassVar[str] = ""
     Config: ClassVar[type[ModelConfig]] = ModelConfig
     presets: ClassVar[tuple[str, ...]] = ("tiny",)
+    model_types: ClassVar[tuple[str, ...]] = ()
+    supports: ClassVar[ModelCapabilities] = ModelCapabilities()
 
     def hf_config(self, preset: str) -> dict[str, Any]:
         raise NotImplementedError
@@ -99,12 +122,23 @@ class ModelAdapter:
         """A dense model routes nothing."""
         return {"moe_layers": [], "num_experts": 0, "top_k": 0}
 
+    def shape(self, hf: dict[str, Any], *, seq_len: int = 4096) -> Any:
+        """The planner's :class:`primerl.plan.ModelShape` of an HF config."""
+        from primerl.errors import PrimerlError
+
+        raise PrimerlError(f"model plugin '{self.name}' does not describe its layers to the planner "
+                           f"(ModelAdapter.shape): primerl plan cannot size it")
+
+    def capabilities(self, config: ModelConfig) -> ModelCapabilities:
+        """What this model supports under ``config`` (its preset or checkpoint)."""
+        return self.supports
+
 
 class HFModelAdapter(ModelAdapter):
     """A model adapter for HF-compatible architectures: most model plugins need only set
     the class attributes and :meth:`moe_layers`.
 
-    * ``model_type``: the HF ``model_type`` a checkpoint's ``config.json`` must have;
+    * ``model_types``: the HF ``model_type`` values a checkpoint's ``config.json`` may have;
     * ``preset_configs``: preset name -> HF config dict (light: plain dicts);
     * ``model_class``: lazy ``"module:Class"`` of the torch model (a
       :class:`primerl.models.decoder.DecoderLM` with ``Config.from_hf``, ``to_hf``,
@@ -115,7 +149,6 @@ class HFModelAdapter(ModelAdapter):
     and materialised once on the target device: a sharded checkpoint is never loaded whole.
     """
 
-    model_type: ClassVar[str] = ""
     preset_configs: ClassVar[dict[str, dict[str, Any]]] = {}
     model_class: ClassVar[str] = ""
 
@@ -137,7 +170,7 @@ class HFModelAdapter(ModelAdapter):
             return self.hf_config(config.preset)
         from primerl.models.checkpoint import read_config
 
-        return read_config(config.checkpoint, self.model_type)
+        return read_config(config.checkpoint, self.model_types)
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:
         """(indices of the MoE layers, routed experts, experts per token) of an HF config."""
@@ -147,6 +180,13 @@ class HFModelAdapter(ModelAdapter):
         """Which layers route tokens, among how many experts, and how many per token."""
         layers, experts, top_k = self.moe_layers(self.config_dict(config))
         return {"moe_layers": layers, "num_experts": experts, "top_k": top_k}
+
+    def capabilities(self, config: ModelConfig) -> ModelCapabilities:
+        """The class's ``supports``; expert parallel and router replay only where some layer
+        routes tokens (a checkpoint without MoE layers has nothing to split or replay)."""
+        if self.moe_layout(config)["moe_layers"]:
+            return self.supports
+        return attrs.evolve(self.supports, expert_parallel=False, router_replay=False)
 
     def hf_format(self) -> Any:
         from primerl.models.checkpoint import HFFormat

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from primerl.models import HFModelAdapter, ModelConfig
+from primerl.models import HFModelAdapter, ModelCapabilities, ModelConfig
 from primerl_glm5.presets import PRESETS, layer_types
 
 
@@ -27,10 +27,19 @@ class Glm5(HFModelAdapter):
     Config = ModelConfig
     presets = tuple(PRESETS)
     preset_configs = PRESETS
-    model_type = "glm_moe_dsa"
+    model_types = ("glm_moe_dsa",)
+    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True)
     model_class = "primerl_glm5.model:Glm5ForCausalLM"
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:
         mlp_types, _ = layer_types(hf)
         layers = [i for i, kind in enumerate(mlp_types) if kind == "sparse"]
         return layers, hf.get("n_routed_experts", 256), hf.get("num_experts_per_tok", 8)
+
+    def shape(self, hf: dict[str, Any], *, seq_len: int = 4096) -> Any:
+        """MLA with DSA indexers, DeepSeek-V3-style MoE after the dense layers."""
+        from primerl.plan import decoder_shape
+
+        _, indexers = layer_types(hf)
+        return decoder_shape(hf, self.moe_layers(hf)[0], attention="mla", indexers=indexers, deepseek_moe=True,
+                             seq_len=seq_len)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from primerl.models import HFModelAdapter, ModelConfig
+from primerl.models import HFModelAdapter, ModelCapabilities, ModelConfig
 from primerl_kimi.presets import PRESETS, moe_layer_flags
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -23,16 +23,16 @@ class Kimi(HFModelAdapter):
     Config = ModelConfig
     presets = tuple(PRESETS)
     preset_configs = PRESETS
-    model_type = "deepseek_v3"
+    model_types = MODEL_TYPES
+    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True)
     model_class = "primerl_kimi.model:KimiForCausalLM"
-
-    def config_dict(self, config: ModelConfig) -> dict[str, Any]:
-        if config.checkpoint is None:
-            return self.hf_config(config.preset)
-        from primerl.models.checkpoint import read_config
-
-        return read_config(config.checkpoint, MODEL_TYPES)
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:
         layers = [i for i, moe in enumerate(moe_layer_flags(hf)) if moe]
         return layers, hf.get("n_routed_experts", 384), hf.get("num_experts_per_tok", 8)
+
+    def shape(self, hf: dict[str, Any], *, seq_len: int = 4096) -> Any:
+        """MLA, DeepSeek-V3-style MoE after the dense layers."""
+        from primerl.plan import decoder_shape
+
+        return decoder_shape(hf, self.moe_layers(hf)[0], attention="mla", deepseek_moe=True, seq_len=seq_len)
