@@ -153,6 +153,23 @@ def test_every_model_trains_with_and_without_router_replay(model, replay, tmp_pa
     assert "not replaying" not in trainer_log
 
 
+def test_a_dense_model_trains_on_policy(tmp_path):
+    """Qwen3 (dense): one step, on-policy in float32 (nothing routes); router replay is refused
+    at config time, before any process starts."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "primerl.cli", "run", "--model", "qwen3", "--env", "reverse-text", "--max-steps", "1",
+           "--output-dir", str(out), *SMALL]
+    r = subprocess.run([*cmd, "--trainer.router_replay"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "model 'qwen3' (preset 'tiny') does not support router replay: leave it off"), r.stdout + r.stderr
+    assert not out.exists()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["mismatch_kl"] < 1e-4
+    assert (out / "checkpoints" / "step_000001" / "config.json").exists()
+
+
 def test_multi_turn_wordle_run_completes(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "wordle",

@@ -183,7 +183,7 @@ def compare_with_one_process(names: list[str], rows: list[list[int]]) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_on_ranks(2, compare_with_one_process, ["qwen3-moe", "kimi", "glm5", "nemotron"], ROWS)[0]
+    return run_on_ranks(2, compare_with_one_process, ["qwen3-moe", "kimi", "glm5", "nemotron", "qwen3"], ROWS)[0]
 
 
 def check_matches_one_process(result: dict) -> None:
@@ -211,7 +211,7 @@ def check_matches_one_process(result: dict) -> None:
         assert not worst, f"{layout}: gradients differ:\n" + "\n".join(worst)
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "kimi", "glm5"], ids=["gqa", "mla", "mla-dsa"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "kimi", "glm5", "qwen3"], ids=["gqa", "mla", "mla-dsa", "dense"])
 def test_two_ranks_match_one_process(two_ranks, arch):
     check_matches_one_process(two_ranks[arch])
 
