@@ -11,7 +11,7 @@ from conftest import run_cli
 from primerl.plan import GB, Cluster, Layout, load_shape, memory, plan
 from primerl.registry import get_registry
 
-MODELS = ("glm5", "kimi", "nemotron", "qwen3-moe", "qwen3")
+MODELS = ("glm5", "kimi", "nemotron", "qwen3-moe", "qwen3", "minimax")
 
 
 def _adapter(name):
@@ -51,6 +51,7 @@ VARIANTS = {
     "kimi": {"q_lora_rank": None, "tie_word_embeddings": True},
     "qwen3-moe": {"attention_bias": True, "tie_word_embeddings": True, "mlp_only_layers": [0, 2]},
     "qwen3": {"attention_bias": True, "tie_word_embeddings": True, "head_dim": 48},
+    "minimax": {"tie_word_embeddings": True, "num_key_value_heads": 4, "rotary_dim": 32},
     "nemotron": {
         "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
         "moe_latent_size": 64, "use_bias": True, "mlp_bias": True, "attention_bias": True,
@@ -67,13 +68,15 @@ def test_param_count_equals_the_built_model_for_config_variants(name):
 
 
 # Published sizes (model cards): GLM-5 744B / 40B active, Kimi K2 1T / 32B, Qwen3-30B-A3B
-# 30.5B / 3.3B, Nemotron 3 Nano 31.6B / 3.2B (3.6B with embeddings), Qwen3-32B 32.8B (dense).
+# 30.5B / 3.3B, Nemotron 3 Nano 31.6B / 3.2B (3.6B with embeddings), Qwen3-32B 32.8B (dense),
+# MiniMax-M2 230B / 10B.
 PUBLISHED = {
     "glm5": ((740e9, 748e9), (38e9, 44e9)),
     "kimi": ((1.0e12, 1.05e12), (31e9, 34e9)),
     "qwen3-moe": ((30.0e9, 31.0e9), (3.2e9, 3.5e9)),
     "nemotron": ((31.0e9, 32.0e9), (3.4e9, 3.8e9)),
     "qwen3": ((32.5e9, 33.0e9), (32.5e9, 33.0e9)),
+    "minimax": ((228e9, 231e9), (9.5e9, 11.5e9)),
 }
 
 

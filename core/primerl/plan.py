@@ -292,13 +292,14 @@ def mla_mixer(hf: Mapping[str, Any], layer: Layer, *, dsa: bool, seq_len: int) -
         layer.index_key_dim = d_idx
 
 
-def gqa_mixer(hf: Mapping[str, Any], layer: Layer, *, qk_norm: bool, rope: bool) -> None:
-    """Grouped-query attention (Qwen3-MoE with per-head q/k norms and RoPE; Nemotron-H without)."""
+def gqa_mixer(hf: Mapping[str, Any], layer: Layer, *, qk_norm: str | None, rope: bool) -> None:
+    """Grouped-query attention: q/k RMSNorms per head (``qk_norm="head"``, Qwen3) or over the
+    whole projection (``"layer"``, MiniMax-M2) or none, with RoPE or without (Nemotron-H)."""
     h, heads, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
     d = hf.get("head_dim") or h // heads
     bias = bool(hf.get("attention_bias", False))
     proj = [(h, heads * d, bias), (h, kv * d, bias), (h, kv * d, bias), (heads * d, h, bias)]
-    layer.dense += sum(_linear(*p) for p in proj) + (2 * d if qk_norm else 0)
+    layer.dense += sum(_linear(*p) for p in proj) + {"head": 2 * d, "layer": (heads + kv) * d, None: 0}[qk_norm]
     layer.quantisable += sum(a * b for a, b, _ in proj)
     layer.saved += [Saved("q, k, v projections", (heads + 2 * kv) * d)]
     if qk_norm:
@@ -346,17 +347,20 @@ def _mtp_params(hf: Mapping[str, Any], moe_layer: Layer | None) -> tuple[int, in
     return n, n * (moe_layer.params + 3 * h + 2 * h * h)
 
 
-def decoder_shape(hf: Mapping[str, Any], moe_layers: Iterable[int], *, attention: str, qk_norm: bool = False,
-                  indexers: Sequence[str] | None = None, deepseek_moe: bool = False, name: str = "",
+def decoder_shape(hf: Mapping[str, Any], moe_layers: Iterable[int], *, attention: str,
+                  qk_norm: str | None = None, indexers: Sequence[str] | None = None, router_bias: bool = False,
+                  shared_experts: bool = False, expert_inter: str = "moe_intermediate_size", name: str = "",
                   preset: str = "", seq_len: int = 4096) -> ModelShape:
     """The shape of a plain decoder (every layer: two norms, attention, then a SwiGLU MLP or
     an MoE block), from its HF config and the indices of its MoE layers. ``attention`` is
-    ``"gqa"`` (``qk_norm``: per-head q/k RMSNorms, as Qwen3) or ``"mla"``; ``indexers``
-    gives each MLA layer's DSA indexer kind (``"full"`` runs it, ``"shared"`` reuses the
-    previous layer's selection; None: no DSA); ``deepseek_moe``: DeepSeek-V3's MoE (sigmoid
-    router with a score bias, ``n_shared_experts`` shared experts) rather than softmax-routed
-    experts alone. ``seq_len`` matters only with DSA (rows no longer than ``index_topk``
-    make no key selection). Model plugins call it from ``ModelAdapter.shape``."""
+    ``"gqa"`` (``qk_norm``: ``"head"``, per-head q/k RMSNorms as Qwen3, or ``"layer"``, over
+    the whole projection as MiniMax-M2) or ``"mla"``; ``indexers`` gives each MLA layer's
+    DSA indexer kind (``"full"`` runs it, ``"shared"`` reuses the previous layer's selection;
+    None: no DSA). MoE blocks: ``router_bias``, a sigmoid router's score-correction bias
+    (DeepSeek-V3, MiniMax-M2); ``shared_experts``, ``n_shared_experts`` shared experts
+    (DeepSeek-V3); ``expert_inter``, the config key of an expert's width. ``seq_len``
+    matters only with DSA (rows no longer than ``index_topk`` make no key selection). Model
+    plugins call it from ``ModelAdapter.shape``."""
     if attention not in ("gqa", "mla"):
         raise ValueError(f"attention must be 'gqa' or 'mla', got {attention!r}")
     h = hf["hidden_size"]
@@ -379,9 +383,9 @@ def decoder_shape(hf: Mapping[str, Any], moe_layers: Iterable[int], *, attention
             gqa_mixer(hf, layer, qk_norm=qk_norm, rope=True)
         if i in moe:
             block, expert_params = moe_block(
-                hf, h, n_experts=n_experts, top_k=top_k, inter=hf["moe_intermediate_size"], gated=True,
-                shared_inter=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0) if deepseek_moe else 0,
-                shared_bias=False, router_bias=deepseek_moe, latent=None,
+                hf, h, n_experts=n_experts, top_k=top_k, inter=hf[expert_inter], gated=True,
+                shared_inter=hf[expert_inter] * (hf.get("n_shared_experts") or 0) if shared_experts else 0,
+                shared_bias=False, router_bias=router_bias, latent=None,
             )
             merge_block(layer, block)
         else:

@@ -134,7 +134,7 @@ def test_shm_weight_channel_runs_and_cleans_up(tmp_path):
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["no-r3", "r3"])
-@pytest.mark.parametrize("model", ["glm5", "kimi", "qwen3-moe", "nemotron"])
+@pytest.mark.parametrize("model", ["glm5", "kimi", "qwen3-moe", "nemotron", "minimax"])
 def test_every_model_trains_with_and_without_router_replay(model, replay, tmp_path):
     out = tmp_path / "run"
     flags = ["--trainer.router_replay"] if replay else []

@@ -3,7 +3,8 @@
 Each test runs for each architecture's ``tiny`` preset in float32 on the CPU: GLM-5
 (``glm_moe_dsa``, deeper tests in test_glm5.py), Kimi K2 (``deepseek_v3`` with YaRN),
 Qwen3-MoE (``qwen3_moe``), Nemotron 3 (``nemotron_h``: Mamba-2 + attention + MoE) and the
-dense Qwen3 (``qwen3``).
+dense Qwen3 (``qwen3``) and MiniMax-M2 (``minimax_m2``: partial RoPE, per-layer q/k norm,
+sigmoid-routed experts).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from primerl.models import ModelConfig
 from primerl.registry import get_registry
 from primerl.tokenizer import VOCAB_SIZE, byte_tokenizer
 
-ARCHS = ["glm5", "kimi", "qwen3-moe", "nemotron", "qwen3"]
+ARCHS = ["glm5", "kimi", "qwen3-moe", "nemotron", "qwen3", "minimax"]
 TOL = 1e-5
 
 
@@ -219,7 +220,7 @@ def test_parallel_plan_describes_layers_units_and_moe_modules(arch):
     assert len(plan["routers"]) == len(plan["experts"]) == len(model.moe_layers)
     mixers = {layer["mixer"] for layer in plan["layers"]}
     want = {"glm5": {"mla_dsa"}, "kimi": {"mla"}, "qwen3-moe": {"gqa"}, "nemotron": {"mamba2", "gqa", None},
-            "qwen3": {"gqa"}}[name]
+            "qwen3": {"gqa"}, "minimax": {"gqa"}}[name]
     assert mixers == want
 
 

@@ -35,7 +35,7 @@ from primerl.registry import get_registry
 
 pytestmark = pytest.mark.slow  # every test starts torch.distributed ranks
 
-FAMILIES = ["qwen3-moe", "kimi", "glm5", "nemotron"]
+FAMILIES = ["qwen3-moe", "kimi", "glm5", "nemotron", "minimax"]
 TOL = 1e-5
 ROWS, SEQ = 2, 20  # per rank; <= 32 tokens keeps GLM-5's DSA selecting every key (no top-k to flip)
 

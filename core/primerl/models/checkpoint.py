@@ -8,7 +8,8 @@ never materialised, and no HF model is built.
 Our models keep HF's *in-memory* names (transformers v5 state dicts), which differ from
 the *published* layout in two declarative ways, each described by a :class:`HFFormat`:
 
-* prefixes: Nemotron-H ships ``backbone.`` where the model says ``model.``;
+* prefixes: Nemotron-H ships ``backbone.`` where the model says ``model.``; renames inside
+  a name: MiniMax-M2 ships ``.block_sparse_moe.`` where the model says ``.mlp.``;
 * fused experts: the model holds each MoE layer's experts as 3D tensors
   (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) while
   checkpoints hold one linear per expert and projection (``experts.{e}.gate_proj.weight``
@@ -48,6 +49,7 @@ class HFFormat:
     """How a model's state-dict names map to its published HF checkpoint names."""
 
     prefixes: tuple[tuple[str, str], ...] = ()  # (published, model) prefix pairs
+    renames: tuple[tuple[str, str], ...] = ()  # (published, model) pairs of parts inside a name
     experts: tuple[FusedExperts, ...] = (
         FusedExperts("gate_up_proj", ("gate_proj", "up_proj")),
         FusedExperts("down_proj", ("down_proj",)),
@@ -57,13 +59,19 @@ class HFFormat:
     def to_model_name(self, name: str) -> str:
         for published, ours in self.prefixes:
             if name.startswith(published):
-                return ours + name[len(published):]
+                name = ours + name[len(published):]
+                break
+        for published, ours in self.renames:
+            name = name.replace(published, ours)
         return name
 
     def to_published_name(self, name: str) -> str:
         for published, ours in self.prefixes:
             if name.startswith(ours):
-                return published + name[len(ours):]
+                name = published + name[len(ours):]
+                break
+        for published, ours in self.renames:
+            name = name.replace(ours, published)
         return name
 
     def expert_key(self) -> re.Pattern[str]:

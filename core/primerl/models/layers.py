@@ -245,7 +245,9 @@ class SigmoidRouter(nn.Module):
     """
 
     def __init__(self, hidden: int, n_experts: int, top_k: int, *, n_group: int = 1, topk_group: int = 1,
-                 norm_topk_prob: bool = True, scaling: float = 1.0) -> None:
+                 norm_topk_prob: bool = True, scaling: float = 1.0, owns_bias: bool = True) -> None:
+        """``owns_bias`` False: the correction bias is a buffer of the MoE block around the
+        router (MiniMax-M2's ``mlp.e_score_correction_bias``), passed to :meth:`forward`."""
         super().__init__()
         if n_experts % n_group or not 0 < topk_group <= n_group:
             raise ValueError("n_routed_experts must split into n_group groups, with 0 < topk_group <= n_group")
@@ -256,10 +258,12 @@ class SigmoidRouter(nn.Module):
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
         self.weight = nn.Parameter(torch.zeros(n_experts, hidden, dtype=torch.float32))
         # Load-balancing bias (aux-loss-free): steers the choice only, never the weights.
-        self.e_score_correction_bias = nn.Buffer(torch.zeros(n_experts, dtype=torch.float32))
+        if owns_bias:
+            self.e_score_correction_bias = nn.Buffer(torch.zeros(n_experts, dtype=torch.float32))
 
-    def forward(self, x: Tensor, valid: Tensor, replay: Tensor | None = None) -> Routing:
-        """x: [N, hidden]; valid: [N] bool; replay: [N, top_k] expert ids to force, or None.
+    def forward(self, x: Tensor, valid: Tensor, replay: Tensor | None = None, bias: Tensor | None = None) -> Routing:
+        """x: [N, hidden]; valid: [N] bool; replay: [N, top_k] expert ids to force, or None;
+        bias: [E] the block's correction bias (a router that does not own one).
 
         Replayed ids apply to valid tokens (padding keeps the router's own choice); the
         weights are gathered from the router's scores at the used ids, so the router keeps
@@ -267,7 +271,7 @@ class SigmoidRouter(nn.Module):
         """
         with without_autocast(x.device.type):  # float32 under a bf16 trainer's autocast too
             scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
-        own = self.choose(scores)
+        own = self.choose(scores, self.e_score_correction_bias if bias is None else bias)
         ids = own if replay is None else torch.where(valid[:, None], replay.long(), own)
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
@@ -275,8 +279,8 @@ class SigmoidRouter(nn.Module):
         return Routing(weights * self.scaling, ids, own)
 
     @torch.no_grad()
-    def choose(self, scores: Tensor) -> Tensor:
-        choice = scores + self.e_score_correction_bias  # [N, E]
+    def choose(self, scores: Tensor, bias: Tensor) -> Tensor:
+        choice = scores + bias  # [N, E]
         if self.topk_group < self.n_group:  # keep the experts of the best topk_group groups
             grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # [N, G, E/G]
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
@@ -534,7 +538,7 @@ def init_normal_(model: nn.Module, seed: int, std: float, *, skip: tuple[nn.Modu
             normal_(module.weight)
         elif isinstance(module, (SigmoidRouter, SoftmaxRouter)):
             normal_(module.weight)
-            if isinstance(module, SigmoidRouter):
+            if isinstance(module, SigmoidRouter) and hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.zero_()
         elif isinstance(module, Experts):
             normal_(module.in_proj)

@@ -41,5 +41,5 @@ class Glm5(HFModelAdapter):
         from primerl.plan import decoder_shape
 
         _, indexers = layer_types(hf)
-        return decoder_shape(hf, self.moe_layers(hf)[0], attention="mla", indexers=indexers, deepseek_moe=True,
+        return decoder_shape(hf, self.moe_layers(hf)[0], attention="mla", indexers=indexers, router_bias=True, shared_experts=True,
                              seq_len=seq_len)

@@ -35,4 +35,4 @@ class Kimi(HFModelAdapter):
         """MLA, DeepSeek-V3-style MoE after the dense layers."""
         from primerl.plan import decoder_shape
 
-        return decoder_shape(hf, self.moe_layers(hf)[0], attention="mla", deepseek_moe=True, seq_len=seq_len)
+        return decoder_shape(hf, self.moe_layers(hf)[0], attention="mla", router_bias=True, shared_experts=True, seq_len=seq_len)

@@ -56,7 +56,7 @@ class Nemotron(HFModelAdapter):
             if kind == "linear_attention":
                 plan.mamba2_mixer(hf, layer)
             elif kind == "full_attention":
-                plan.gqa_mixer(hf, layer, qk_norm=False, rope=False)
+                plan.gqa_mixer(hf, layer, qk_norm=None, rope=False)
             elif kind == "mlp":
                 params, saved = plan.dense_mlp(h, hf["intermediate_size"], gated=False, bias=hf.get("mlp_bias", False))
                 layer.dense += params

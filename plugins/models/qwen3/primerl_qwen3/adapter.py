@@ -28,4 +28,4 @@ class Qwen3(HFModelAdapter):
         """GQA with per-head q/k norms, a SwiGLU MLP in every layer."""
         from primerl.plan import decoder_shape
 
-        return decoder_shape(hf, [], attention="gqa", qk_norm=True, seq_len=seq_len)
+        return decoder_shape(hf, [], attention="gqa", qk_norm="head", seq_len=seq_len)

@@ -28,4 +28,4 @@ class Qwen3Moe(HFModelAdapter):
         """GQA with per-head q/k norms, softmax-routed experts."""
         from primerl.plan import decoder_shape
 
-        return decoder_shape(hf, self.moe_layers(hf)[0], attention="gqa", qk_norm=True, seq_len=seq_len)
+        return decoder_shape(hf, self.moe_layers(hf)[0], attention="gqa", qk_norm="head", seq_len=seq_len)
