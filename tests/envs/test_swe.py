@@ -92,6 +92,34 @@ def test_tasks_are_genuine_bugs(tasks_file, swe_cache):
             repo.remove(work)
 
 
+def test_scratch_roots_are_per_instance_and_a_dead_owners_is_reaped(tasks_file, swe_cache):
+    """Two envs in one process (tests, a pool that makes a fresh env) each own a scratch root:
+    closing one leaves the other's checkouts alone. A root whose owner died (a killed worker,
+    seen through a lock, not a pid that another namespace or a later process may reuse) is
+    removed by the next env that makes one; a live owner's root is not."""
+    first, second = swe(tasks_file, swe_cache), swe(tasks_file, swe_cache)
+    rec = next(iter(first.records().values()))
+    try:
+        kept = second._checkout(rec)
+        first._checkout(rec)
+        first.close()
+        assert kept.is_dir() and second._checkout(rec).is_dir()  # second's root survived first's close
+        code = ("import os, sys; from primerl_swe.env import Swe, SweConfig; "
+                "env = Swe(SweConfig(tasks=sys.argv[1], cache_dir=sys.argv[2])); "
+                "print(env._scratch_root(), flush=True); os._exit(0)")  # dies without close()
+        r = subprocess.run([sys.executable, "-c", code, str(tasks_file), str(swe_cache)],
+                           capture_output=True, text=True, timeout=120, check=True)
+        dead = Path(r.stdout.strip())
+        assert dead.is_dir()
+        third = swe(tasks_file, swe_cache)
+        third._scratch_root()
+        assert not dead.exists() and second.root.is_dir()  # the dead owner's reaped, the live one's kept
+        third.close()
+    finally:
+        second.close()
+    assert not kept.exists()
+
+
 @needs_bwrap
 @pytest.mark.slow
 def test_agent_tools_work_and_stay_inside_the_checkout(tasks_file, swe_cache):

@@ -38,6 +38,7 @@ checkout, it deleted the package so that an installed copy is imported) stay rew
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -120,7 +121,9 @@ class Swe(ToolEnv):
     def __init__(self, config: SweConfig | None = None) -> None:
         super().__init__(config)
         self._records: dict[str, TaskRecord] | None = None
-        self.root: Path | None = None  # this process's scratch checkouts
+        self.root: Path | None = None  # this instance's scratch checkouts (_scratch_root)
+        self._root_pid = 0  # the process that made self.root (a fork's copy makes its own)
+        self._root_lock: Any = None  # the open .lock file whose flock says self.root is in use
         self._checked: dict[str, _Checked] = {}  # instance_id -> its setup check
         self._base_problems: dict[str, str | None] = {}  # instance_id -> cause (None: P2P pass on base)
         self._envs: dict[str, testenv.TestEnv] = {}  # instance_id -> its environment (bubblewrap: cached)
@@ -132,20 +135,30 @@ class Swe(ToolEnv):
         return Path(self.config.cache_dir).expanduser()
 
     def _scratch_root(self) -> Path:
-        """``$TMP/primerl-swe/<pid>``; roots of processes that died (killed workers) are removed."""
-        if self.root is None:
-            base = Path(tempfile.gettempdir()) / "primerl-swe"
-            base.mkdir(exist_ok=True)
-            for old in base.iterdir():
-                if old.name.isdigit() and not Path(f"/proc/{old.name}").exists():
-                    shutil.rmtree(old, ignore_errors=True)
-            self.root = base / str(os.getpid())
-            self.root.mkdir(exist_ok=True)
-        return self.root
+        """This instance's scratch checkouts: ``$TMP/primerl-swe/<pid>-XXXX``, owned through a lock
+        held on its ``.lock`` file while the instance lives. Roots whose lock nobody holds (their
+        process died: a killed worker) are removed; a lock, unlike a pid, means the same in every
+        pid namespace and is never reused by an unrelated process."""
+        with self._lock:
+            if self.root is None or self._root_pid != os.getpid():  # none yet, or a fork's copy
+                base = Path(tempfile.gettempdir()) / "primerl-swe"
+                base.mkdir(exist_ok=True)
+                for lock in base.glob("*.lock"):
+                    _reap_if_unowned(lock)
+                root = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base))
+                self._root_lock = open(root.with_name(root.name + ".lock"), "w")  # noqa: SIM115 - held while we live
+                fcntl.flock(self._root_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.root, self._root_pid = root, os.getpid()
+            self.root.mkdir(parents=True, exist_ok=True)  # removed under us (a cleaner of /tmp): make it again
+            return self.root
 
     def close(self) -> None:
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
+        with self._lock:
+            if self.root is not None and self._root_pid == os.getpid():  # a forked copy leaves its parent's root be
+                shutil.rmtree(self.root, ignore_errors=True)
+                Path(self._root_lock.name).unlink(missing_ok=True)
+                self._root_lock.close()
+            self.root = None
 
     # -- tasks -----------------------------------------------------------------------------
 
@@ -551,6 +564,17 @@ class Swe(ToolEnv):
 
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             return list(pool.map(one, self.records().values()))
+
+
+def _reap_if_unowned(lock: Path) -> None:
+    """Remove the scratch root that ``lock`` guards if no process holds the lock any more."""
+    try:
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its owner lives
+            shutil.rmtree(lock.with_suffix(""), ignore_errors=True)
+            lock.unlink(missing_ok=True)
+    except OSError:  # held (or gone already): not ours to remove
+        pass
 
 
 def testenv_path(work: Path) -> Path:
