@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -279,12 +280,26 @@ def test_a_server_without_a_shared_store_refuses_a_phase(plain):
 
 
 def test_a_private_disk_directory_refuses_a_phase(tmp_path):
-    from primerl_embedded.engine import KVHandoff, RequestError, SamplingParams
+    from primerl_embedded.engine import RequestError, SamplingParams
+    from primerl_embedded.pd import KVHandoff
     from primerl_kv_disk.store import DiskStore
 
     with pytest.raises(RequestError, match="shared = true"):
-        KVHandoff(DiskStore(root=tmp_path)).check("decode", SamplingParams(), prefix_reuse=True)
-    KVHandoff(DiskStore(root=tmp_path, shared=True)).check("prefill", SamplingParams(), prefix_reuse=True)
+        KVHandoff(DiskStore(root=tmp_path)).phase("decode").check(SamplingParams(), prefix_reuse=True)
+    KVHandoff(DiskStore(root=tmp_path, shared=True)).phase("prefill").check(SamplingParams(), prefix_reuse=True)
+    with pytest.raises(RequestError, match="phase must be 'prefill' or 'decode'"):
+        KVHandoff(DiskStore(root=tmp_path, shared=True)).phase("both")
+
+
+def test_the_engine_scheduler_knows_no_prefill_decode_rules():
+    """P/D wraps the engine (its phases are objects a request brings, primerl_embedded.pd):
+    the scheduler names neither the handoff nor the phases."""
+    import re
+
+    import primerl_embedded.engine as engine
+
+    src = Path(engine.__file__).read_text()
+    assert not re.findall(r"handoff|KV_MISSING|kv_missing|phase == |\"prefill\"|\"decode\"", src)
 
 
 def test_a_shared_store_is_chosen_when_none_was_and_a_per_process_one_is_refused():

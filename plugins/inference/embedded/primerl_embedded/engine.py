@@ -27,9 +27,9 @@ A request that asks for its prompt's log-probabilities (``echo`` with ``logprobs
 lm-evaluation-harness scores multiple choice) is prefilled from scratch in a forward of its
 own that returns the logits of every position; ``max_tokens=0`` then generates nothing.
 
-Prefill/decode disaggregation: a sequence submitted with ``phase="prefill"`` runs its prompt
-and writes the prompt's KV blocks to the shared KV store; one with ``phase="decode"`` loads
-them instead of running them (:class:`KVHandoff`).
+A sequence may bring rules of its own for where its prompt KV comes from and where it goes
+(a :class:`Phase`): prefill/decode disaggregation's phases (:mod:`primerl_embedded.pd`) wrap
+the engine this way, and the scheduler below knows nothing of them.
 
 Slots stay compact: the i-th running sequence holds slot i (a sequence that finishes
 swaps slots with the last running one; a new one takes the first slot after them), so
@@ -54,12 +54,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import attrs
 import torch
 
 from primerl.errors import PrimerlError
-from primerl.kv_stores import BlockSlotStore, HandoffUnavailable, KVStore, PrefixHit, SlotPool, model_identity
+from primerl.kv_stores import KVStore, PrefixHit, SlotPool, model_identity
 from primerl.sampling import sample, scale
 
 
@@ -88,6 +89,23 @@ class SamplingParams:
     return_routed_experts: bool = False
 
 
+class Phase(Protocol):
+    """Rules a sequence brings for its prompt KV, beyond the scheduler's own (prefill/decode
+    disaggregation's two phases are the ones there are: :mod:`primerl_embedded.pd`)."""
+
+    unplaced_reason: str  # the finish_reason of a sequence whose prompt KV was not found
+
+    def check(self, params: SamplingParams, prefix_reuse: bool) -> None:
+        """Refuse, as a :class:`RequestError`, a request this phase cannot serve."""
+
+    def must_find(self, prompt_len: int) -> int:
+        """Prompt tokens the sequence must find cached (in the KV store) to be placed; with
+        fewer it finishes unplaced, never run."""
+
+    def retired(self, seq: Sequence, current: bool) -> None:
+        """``seq`` finished; its KV is still in ``seq.slot`` (of the current weights if ``current``)."""
+
+
 @attrs.define(eq=False)
 class Sequence:
     """One sampled continuation of a prompt, and everything recorded while producing it."""
@@ -112,10 +130,8 @@ class Sequence:
     leader: Sequence | None = None  # for n > 1: the sibling whose prompt KV this one copies
     arrival: float = attrs.Factory(time.monotonic)
     on_done: Callable[[Sequence], None] | None = None
-    # prefill/decode disaggregation (KVHandoff): "prefill" (run the prompt, sample nothing,
-    # write its blocks to the shared store) or "decode" (its full blocks must come from there)
-    phase: str | None = None
-    handoff_blocks: int = 0  # a prefill phase's full blocks the store holds once it finished
+    phase: Phase | None = None  # its own rules for its prompt KV (prefill/decode's phases)
+    unplaced: bool = False  # its phase's prompt KV was not found: finished without running
 
     @property
     def tokens(self) -> list[int]:
@@ -182,7 +198,6 @@ class Engine:
             kv_store = get_registry().load("kv_store", "memory")()
         self.kv_store: KVStore = kv_store
         self.kv_store.bind(self.slots)
-        self.handoff = KVHandoff(kv_store)  # prefill/decode disaggregation's use of the store
         # a store that publishes KV under the current version's keys never gets KV of two policies
         self._current_kv_only = kv_store.current_weights_only
         # recurrent layers (Mamba) keep a state only at a slot's full length: no prefix to reuse
@@ -201,12 +216,12 @@ class Engine:
 
     # ---- public API (thread-safe) ---------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               on_done: Callable[[Sequence], None] | None = None, *, phase: str | None = None) -> list[Sequence]:
+               on_done: Callable[[Sequence], None] | None = None, *, phase: Phase | None = None) -> list[Sequence]:
         """Queue ``params.n`` sequences for a prompt; ``on_done`` fires in the engine thread.
-        ``phase``: prefill/decode disaggregation's ``"prefill"`` or ``"decode"`` (see :class:`KVHandoff`)."""
+        ``phase``: the rules its prompt KV follows (:class:`Phase`), checked here."""
         self.validate(prompt_ids, params)
         if phase is not None:
-            self.handoff.check(phase, params, self.prefix_reuse)
+            phase.check(params, self.prefix_reuse)
         seqs = []
         for i in range(params.n):
             gen = None
@@ -398,13 +413,13 @@ class Engine:
         not wait with them: a batch of groups prefills all its leaders in one forward, not
         one leader per step (8 groups of 8: 25 forwards a batch instead of 39)."""
         budget = self.max_prefill_tokens
-        missing: list[Sequence] = []  # P/D decode phases whose prompt KV the store lacks
+        missing: list[Sequence] = []  # phases whose prompt KV was not found: finished unplaced
         siblings: list[Sequence] = []  # waiting for their leader's prompt, in arrival order
         with self._lock:
             while self.waiting and len(self.running) < self.max_batch_size:
                 seq = self.waiting[0]
-                if seq.leader is not None and seq.leader.finish_reason == KV_MISSING:
-                    seq.finish_reason = KV_MISSING  # its leader's KV is gone: so is its own
+                if seq.leader is not None and seq.leader.unplaced:
+                    seq.finish_reason, seq.unplaced = seq.leader.finish_reason, True  # its leader's KV is gone
                     missing.append(self.waiting.popleft())
                     continue
                 if seq.leader is not None and seq.leader.cached < len(seq.prompt_ids) - 1:
@@ -415,7 +430,7 @@ class Engine:
                     break  # this step's prefill budget is spent; keep arrival order
                 self.waiting.popleft()
                 self._place(seq, len(self.running))
-                if seq.finish_reason == KV_MISSING:  # P/D: placed nowhere; the client prefills again
+                if seq.unplaced:  # placed nowhere: its phase says what the client does
                     missing.append(seq)
                     continue
                 budget -= len(seq.prompt_ids) - seq.cached
@@ -445,8 +460,8 @@ class Engine:
                 hit = self.kv_store.lookup(seq.prompt_ids)
                 n = min(hit.length, limit) if hit is not None else 0
                 hit = hit if n > 0 else None
-        if seq.phase == "decode" and sibling is None and n < self.handoff.needed(len(seq.prompt_ids)):
-            seq.finish_reason = KV_MISSING  # P/D: the prefill's blocks are gone (or of another version)
+        if seq.phase is not None and sibling is None and n < seq.phase.must_find(len(seq.prompt_ids)):
+            seq.finish_reason, seq.unplaced = seq.phase.unplaced_reason, True
             return
         if hit is None or hit.slot != slot:
             self.kv_store.vacate(slot, keep=hit)
@@ -473,9 +488,8 @@ class Engine:
             self.cache.swap(i, last.slot, max(seq.cached, last.cached))
             seq.slot, last.slot = last.slot, i
             self.running[i] = last
-        if keep_prefix and seq.phase == "prefill":  # P/D: the prompt's blocks go to the shared store now
-            seq.handoff_blocks = (self.handoff.publish(seq.slot, seq.tokens[: seq.cached], seq.routed)
-                                  if seq.kv_version == self.version else 0)
+        if keep_prefix and seq.phase is not None:  # its KV is still in its slot: the phase's turn
+            seq.phase.retired(seq, current=seq.kv_version == self.version)
         if keep_prefix and self.prefix_reuse and not (self._current_kv_only and seq.kv_version != self.version):
             self.kv_store.keep(seq.slot, seq.tokens[: seq.cached], seq.routed)
         else:
@@ -624,64 +638,6 @@ def prefill_groups(seqs: list[Sequence], group_cost: int) -> list[list[Sequence]
         groups.append(sorted(order[cut[i] : i], key=lambda s: rank[id(s)]))
         i = cut[i]
     return groups[::-1]
-
-
-# ---- prefill/decode disaggregation ----------------------------------------------------------
-
-KV_MISSING = "kv_missing"  # finish_reason of a decode phase whose prompt KV the store does not hold
-
-
-class KVHandoff:
-    """Prefill/decode disaggregation (``inference.prefill_replicas`` / ``decode_replicas``):
-    how a prompt's KV goes from the prefill server that computed it to the decode server that
-    samples from it, through the block tier of the KV store every server shares (``disk`` with
-    a shared directory, ``mooncake``; :class:`primerl.kv_stores.BlockSlotStore`).
-
-    * a **prefill** phase runs the prompt (no token is sampled) and, when it retires, writes the
-      prompt's full blocks to the store at once (:meth:`publish`, whatever the store's own write
-      policy), each with its tokens' routed experts, under the current policy version's keys;
-    * a **decode** phase looks its prompt up as any sequence does and must find every full block
-      (:meth:`needed`; the tail shorter than a block, and always the last token, run here). The
-      blocks' routed experts become its prompt tokens' (router replay stays exact). A miss
-      (the blocks were evicted, their server left the pool, or the weights changed in between:
-      block keys carry the version) retires it unplaced with ``finish_reason`` :data:`KV_MISSING`,
-      and the client runs the prefill again.
-    """
-
-    def __init__(self, store: KVStore) -> None:
-        try:
-            self.blocks: BlockSlotStore | None = store.handoff_blocks()
-            self.unavailable: str | None = None
-        except HandoffUnavailable as exc:  # the store says why (and what to run instead)
-            self.blocks, self.unavailable = None, str(exc)
-
-    @property
-    def block_size(self) -> int:
-        return self.blocks.block_size if self.blocks is not None else 0
-
-    def check(self, phase: str, params: SamplingParams, prefix_reuse: bool) -> None:
-        """Refuse a phase this engine cannot serve (a :class:`RequestError`, one line)."""
-        if phase not in ("prefill", "decode"):
-            raise RequestError(f"kv_transfer_params: phase must be 'prefill' or 'decode', got {phase!r}")
-        if self.blocks is None:
-            raise RequestError(self.unavailable)
-        if not prefix_reuse:
-            raise RequestError("this model's KV cache has recurrent state (Mamba layers) that cannot be restored "
-                               "from blocks: prefill/decode disaggregation cannot serve it")
-        if params.prompt_logprobs is not None:
-            raise RequestError("a prompt that is scored (echo with logprobs) runs whole on one server: send it "
-                               "without kv_transfer_params")
-
-    def needed(self, prompt_len: int) -> int:
-        """Prompt tokens a decode phase must find in the store: every full block (the last
-        token always runs, so a block-aligned prompt's last block is used up to it)."""
-        return min(prompt_len // self.block_size * self.block_size, prompt_len - 1)
-
-    def publish(self, slot: int, tokens: list[int], routed: list[torch.Tensor]) -> int:
-        """Write the full blocks of ``tokens`` (in ``slot``) that the store lacks, now; how
-        many of them, from the first, it holds afterwards."""
-        self.blocks.save(slot, tokens, routed)
-        return self.blocks.blocks.contains(self.blocks.keys(tokens))
 
 
 def _take_rows(chunks: list[torch.Tensor], n: int) -> list[torch.Tensor]:

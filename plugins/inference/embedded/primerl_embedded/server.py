@@ -37,7 +37,8 @@ from primerl import inference as api
 from primerl.serving.front import Generation, Refused, Sampling, prometheus
 from primerl.serving.front import create_app as front_app
 from primerl.serving.protocol import WeightUpdateRequest
-from primerl_embedded.engine import KV_MISSING, Engine, QueueFull, RequestError, SamplingParams, Sequence
+from primerl_embedded.engine import Engine, Phase, QueueFull, RequestError, SamplingParams, Sequence
+from primerl_embedded.pd import KV_MISSING, KVHandoff
 
 
 class EngineGenerator:
@@ -56,6 +57,7 @@ class EngineGenerator:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.load_weights = load_weights or self._stage_and_adopt
+        self.handoff = KVHandoff(engine.kv_store)  # prefill/decode disaggregation's phases (primerl_embedded.pd)
 
     def _stage_and_adopt(self, path: str) -> Callable[[], Any]:
         from primerl.weights import adopt, stage
@@ -79,7 +81,7 @@ class EngineGenerator:
         except RequestError as exc:
             raise Refused(400, str(exc)) from None
 
-    async def run(self, prompt_ids: list[int], params: SamplingParams, phase: str | None = None) -> list[Sequence]:
+    async def run(self, prompt_ids: list[int], params: SamplingParams, phase: Phase | None = None) -> list[Sequence]:
         """Submit one prompt's ``params.n`` sequences and wait for all of them; a cancelled
         request (the client went away, the server is stopping) aborts them."""
         loop = asyncio.get_running_loop()
@@ -105,8 +107,12 @@ class EngineGenerator:
         return seqs
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> list[Generation]:
-        seqs = await self.run(prompt_ids, self.params(sampling), sampling.phase)
-        if sampling.phase == "decode" and any(s.finish_reason == KV_MISSING for s in seqs):
+        try:
+            phase = self.handoff.phase(sampling.phase) if sampling.phase is not None else None
+        except RequestError as exc:
+            raise Refused(400, str(exc)) from None
+        seqs = await self.run(prompt_ids, self.params(sampling), phase)
+        if any(s.unplaced for s in seqs):
             raise Refused(409, "the prompt's KV blocks are not in the KV store (evicted, their server left the pool, "
                                "or the weights changed since the prefill): run the prefill phase again",
                           "kv_transfer_params", kind=KV_MISSING)
@@ -130,17 +136,19 @@ class EngineGenerator:
         """P/D's prefill phase: run every prompt, sample nothing, and write its KV blocks (with
         their routed experts) to the KV store every server shares; answer what the decode
         server needs, as ``kv_transfer_params`` to send along with the same request."""
-        results = await asyncio.gather(*(self.run(ids, SamplingParams(max_tokens=0), "prefill") for ids in prompts))
+        phases = [self.handoff.phase("prefill") for _ in prompts]
+        results = await asyncio.gather(*(self.run(ids, SamplingParams(max_tokens=0), phase)
+                                         for ids, phase in zip(prompts, phases)))
         n = sum(len(i) for i in prompts)
         return {
             "id": f"prefill-{uuid.uuid4().hex}", "object": "primerl.prefill", "created": int(time.time()),
             "model": self.model_name,
             "usage": api.Usage(prompt_tokens=n, completion_tokens=0, total_tokens=n),
             "kv_transfer_params": {
-                "do_remote_prefill": True, "block_size": self.engine.handoff.block_size,
+                "do_remote_prefill": True, "block_size": self.handoff.block_size,
                 # per prompt: its ids, the full blocks the store holds, the weights that computed them
-                "prompts": [{"prompt_token_ids": ids, "blocks": seqs[0].handoff_blocks,
-                             "policy_version": seqs[0].kv_version} for ids, seqs in zip(prompts, results)],
+                "prompts": [{"prompt_token_ids": ids, "blocks": phase.blocks, "policy_version": seqs[0].kv_version}
+                            for ids, phase, seqs in zip(prompts, phases, results)],
             },
         }
 
