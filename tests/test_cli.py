@@ -86,3 +86,10 @@ def test_config_errors_exit_2_without_traceback(tmp_path):
     assert r.returncode == 2 and "no env named 'no-such-env'" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("run", "stray-argument", "--dry-run")
     assert r.returncode == 2 and "unexpected argument 'stray-argument'" in r.stderr
+
+
+def test_usage_errors_print_usage_not_a_traceback():
+    """A mistyped command or a missing option: click's usage message, exit code 2."""
+    for args, words in ((("models", "lst"), "No such command 'lst'"), (("plan", "--model", "glm5"), "--seq-len")):
+        r = run_cli(*args)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr

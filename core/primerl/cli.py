@@ -400,12 +400,24 @@ def main(argv: list[str] | None = None) -> None:
         err_console.print("aborted")
         sys.exit(130)
     except Exception as exc:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(exc, click.ClickException):
+        if isinstance(exc, _click_exceptions()):
             exc.show()
             sys.exit(exc.exit_code)
         raise
+
+
+def _click_exceptions() -> tuple[type, ...]:
+    """click's usage-error class, and the copy of click that typer >= 0.26 vendors (its own class)."""
+    import click
+
+    kinds: list[type] = [click.ClickException]
+    try:
+        from typer._click.exceptions import ClickException
+    except ImportError:
+        pass
+    else:
+        kinds.append(ClickException)
+    return tuple(kinds)
 
 
 if __name__ == "__main__":  # pragma: no cover
