@@ -226,9 +226,10 @@ def load_checkpoint(model: Any, directory: str | Path, fmt: HFFormat, *, num_lay
         )
 
 
-def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any], fmt: HFFormat, *,
+def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any], fmt: HFFormat | None, *,
                     tokenizer: Any = None, tied: bool = False, max_shard_bytes: int = 5 * 2**30,
-                    state: Iterable[tuple[str, Any]] | None = None) -> Path:
+                    state: Iterable[tuple[str, Any]] | None = None,
+                    published: Iterable[tuple[str, Any]] | None = None) -> Path:
     """Write ``model`` as an HF checkpoint that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     ``config.json`` (``hf_config`` with the model's dtype), ``model.safetensors`` (or shards
@@ -270,8 +271,10 @@ def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any]
             pending.clear()
         size = 0
 
-    pairs = model.state_dict().items() if state is None else state
-    for name, t in to_hf(pairs, fmt, skip=("lm_head.weight",) if tied else ()):
+    if published is None:
+        pairs = model.state_dict().items() if state is None else state
+        published = to_hf(pairs, fmt, skip=("lm_head.weight",) if tied else ())
+    for name, t in published:
         nbytes = t.numel() * t.element_size()
         if pending and size + nbytes > max_shard_bytes:
             flush()
