@@ -170,12 +170,12 @@ def test_a_dense_model_trains_on_policy(tmp_path):
     assert (out / "checkpoints" / "step_000001" / "config.json").exists()
 
 
-@pytest.mark.parametrize("arch,channel", [("llama", "shm"), ("mixtral", "filesystem")])
-def test_a_transformers_checkpoint_trains_through_the_hf_model(arch, channel, tmp_path):
+@pytest.mark.parametrize("arch,channel,nproc", [("llama", "shm", "1"), ("mixtral", "filesystem", "2")])
+def test_a_transformers_checkpoint_trains_through_the_hf_model(arch, channel, nproc, tmp_path):
     """--model hf on a checkpoint transformers wrote (its own tokenizer and chat template):
     20 steps of reverse-text, on-policy at step 1 in float32, weight updates through either
-    channel (filesystem: the published layout, converted back while loading), and the
-    last weights load into transformers, changed."""
+    channel (filesystem: the published layout, converted back while loading), one trainer
+    rank or FSDP2 over two, and the last weights load into transformers, changed."""
     import torch
     from hf_checkpoints import write_checkpoint
     from transformers import AutoModelForCausalLM
@@ -184,7 +184,7 @@ def test_a_transformers_checkpoint_trains_through_the_hf_model(arch, channel, tm
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "hf", "--model.checkpoint", str(ckpt),
                         "--env", "reverse-text", "--max-steps", "20", "--trainer.weight_channel", channel,
-                        "--output-dir", str(out)], capture_output=True, text=True, timeout=900)
+                        "--trainer.nproc", nproc, "--output-dir", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 21))
