@@ -218,6 +218,21 @@ class ParallelConfig:
 
 
 @attrs.define(kw_only=True)
+class LoraConfig:
+    """The ``[trainer.lora]`` section: train low-rank adapters of the model's linears instead
+    of its weights (:mod:`primerl.lora`); inference serves the merged weights, checkpoints
+    hold the adapter in PEFT's format."""
+
+    # the adapters' rank; 0: LoRA off, every weight trains
+    rank: int = attrs.field(default=0, validator=_non_negative)
+    # the update is scaled by alpha / rank
+    alpha: float = attrs.field(default=16.0, validator=_positive)
+    # the linears adapted, by the last part of their names (q_proj, o_proj, gate_proj...);
+    # empty: every linear but the output head and the routers
+    target_modules: list[str] = attrs.Factory(list)
+
+
+@attrs.define(kw_only=True)
 class TrainerConfig:
     """The ``[trainer]`` section: optimisation and weight publishing."""
 
@@ -289,6 +304,7 @@ class TrainerConfig:
     # loss stay float32 either way. With the fsdp strategy on CUDA, FSDP2 computes in bf16.
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
     parallel: ParallelConfig = attrs.field(factory=lambda: ParallelConfig())  # [trainer.parallel]: the device mesh
+    lora: LoraConfig = attrs.field(factory=lambda: LoraConfig())  # [trainer.lora]: low-rank adapters
 
     def resolved_parallelism(self) -> str:
         """The strategy ``parallelism`` names: ``auto`` is ``single`` for one process with
@@ -428,6 +444,10 @@ class RunConfig:
         if not 0 < o.top_p <= 1:
             raise ConfigError(f"orchestrator.top_p must be in (0, 1], got {o.top_p}")
         self.trainer.parallel.resolved(self.trainer_world_size())
+        if self.trainer.lora.rank and self.trainer.fp8:
+            raise ConfigError(f"trainer.lora.rank ({_src(sources, 'trainer.lora.rank')}) with trainer.fp8 "
+                              f"({_src(sources, 'trainer.fp8')}): the FP8 matmuls replace the linears the adapters "
+                              f"wrap; leave one of them off")
         if self.trainer.device == "cuda" and (problem := self.trainer.precision_problem("cuda")):
             raise ConfigError(f"{problem} ({_src(sources, 'trainer.precision')})")
         if not _is_loopback(self.inference.host) and not self.inference.resolved_api_key():
@@ -813,6 +833,7 @@ MODEL_NEEDS = (
     ("trainer.parallel.cp", lambda t: t.parallel.cp > 1, lambda c: c.context_parallel, "context parallel", "set it to 1"),
     ("trainer.router_replay", lambda t: t.router_replay, lambda c: c.router_replay, "router replay", "leave it off"),
     ("trainer.fp8", lambda t: t.fp8, lambda c: c.fp8, "FP8 training", "leave it off"),
+    ("trainer.lora.rank", lambda t: t.lora.rank > 0, lambda c: c.lora, "LoRA", "set it to 0"),
 )
 
 

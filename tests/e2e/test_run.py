@@ -196,6 +196,40 @@ def test_a_transformers_checkpoint_trains_through_the_hf_model(arch, channel, np
     assert all(not torch.equal(before[n], after[n]) for n in before if n.endswith("_proj.weight") or "experts" in n)
 
 
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_lora_run_publishes_merged_weights_checkpoints_a_peft_adapter_and_resumes(nproc, tmp_path):
+    """--trainer.lora.rank 4 (one rank, or FSDP2 over two): an SFT warm-up of the model's own
+    weights, RL steps of the adapters; a checkpoint every step; run again with more steps, it
+    resumes. The last checkpoint's adapter, loaded by peft onto the checkpoint's frozen
+    weights in transformers, gives the logits of the weights inference was sent."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "primerl.cli", "run", "--model", "qwen3", "--env", "reverse-text", "--output-dir",
+           str(out), *SMALL, "--sft.steps", "3", "--trainer.lora.rank", "4", "--trainer.checkpoint_every", "1",
+           "--trainer.nproc", nproc]
+    r = subprocess.run([*cmd, "--max-steps", "2"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([*cmd, "--max-steps", "3"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (out / "logs" / "trainer.log").read_text()
+    assert "lora: rank 4" in log and "resum" in log.lower(), log[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    ckpt = out / "checkpoints" / "step_000003"
+    assert (ckpt / "adapter" / "adapter_config.json").is_file()
+    ids = torch.arange(5, 40)[None]
+    base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        frozen = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, ckpt / "adapter").eval()(input_ids=ids).logits
+        served = AutoModelForCausalLM.from_pretrained(out / "weights" / "step_000003")(input_ids=ids).logits
+    torch.testing.assert_close(adapted, served, atol=1e-5, rtol=0)
+    assert (adapted - frozen).abs().max() > 1e-4  # the adapters moved
+
+
 def test_multi_turn_wordle_run_completes(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "wordle",

@@ -64,6 +64,7 @@ class ModelCapabilities:
     context_parallel: bool = False  # trainer.parallel.cp > 1: its rows can be split over ranks
     router_replay: bool = False  # trainer.router_replay: the trainer can route as inference did
     fp8: bool = False  # trainer.fp8: its linears train in block-scaled FP8
+    lora: bool = False  # trainer.lora: its projections are nn.Linear modules that adapters can wrap
 
 
 class ModelAdapter:

@@ -78,7 +78,8 @@ class MLAttention(nn.Module):
         """x: [B, S, hidden]. Returns the output [B, S, hidden] and the carry."""
         B, S, _ = x.shape
         H, L = self.n_heads, self.layer_idx
-        decode = batch.cache is not None and S == 1
+        # decode steps absorb kv_b_proj's weight into the query and output: a plain linear's only
+        decode = batch.cache is not None and S == 1 and type(self.kv_b_proj) is nn.Linear
         if self._fold_cheaper(B * S, batch, decode=decode):
             return self._folded(x, batch, carry)
         if hasattr(self, "q_proj"):
@@ -121,8 +122,8 @@ class MLAttention(nn.Module):
         """Whether :meth:`_folded` costs no more multiply-adds than the form it replaces
         (``decode``: :meth:`_absorbed`, else the expanded keys and values) for ``n_queries``
         queries (padding included) over this batch's keys, and applies: the three
-        projections it folds are plain ``nn.Linear`` (FP8 training swaps in its own linears,
-        which must keep running their own GEMMs)."""
+        projections it folds are plain ``nn.Linear`` (FP8 training and LoRA swap in their own
+        linears, which must keep running their own computations)."""
         q_proj = getattr(self, "q_proj", None) or self.q_b_proj
         if not all(type(m) is nn.Linear for m in (q_proj, self.kv_b_proj, self.o_proj)):
             return False
@@ -224,9 +225,10 @@ class MLAttention(nn.Module):
 
     def _down_projections(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``q_a_proj(x)`` and ``kv_a_proj_with_mqa(x)``; without autograd as one matmul with
-        the two weights stacked (decode steps are dominated by per-op overhead)."""
+        the two plain linears' weights stacked (decode steps are dominated by per-op overhead)."""
         qa, kva = self.q_a_proj, self.kv_a_proj_with_mqa
-        if torch.is_grad_enabled() or qa.bias is not None or kva.bias is not None:
+        plain = type(qa) is nn.Linear and type(kva) is nn.Linear  # not FP8's or LoRA's: they compute their own way
+        if torch.is_grad_enabled() or not plain or qa.bias is not None or kva.bias is not None:
             return qa(x), kva(x)
         w = derived(self, "down_proj_stacked", lambda: torch.cat([qa.weight, kva.weight]), qa.weight, kva.weight)
         return F.linear(x, w).split([qa.out_features, kva.out_features], dim=-1)

@@ -156,6 +156,18 @@ def main(cfg: RunConfig) -> None:
                 load_resume_weights(resume[1], model, adapter=adapter)
             except Exception as exc:  # whatever a damaged file raises
                 raise unloadable(run, resume[0], exc) from exc
+        if t.lora.rank:  # the frozen weights are in place (checkpoint or resume): wrap their linears
+            from primerl import lora
+
+            wrapped = lora.apply_lora(model, t.lora.rank, t.lora.alpha, t.lora.target_modules)
+            log(lora.describe(model, wrapped, t.lora.rank, t.lora.alpha))
+            if resume is not None:
+                try:
+                    lora.load_adapter(model, resume[1] / lora.ADAPTER_DIR)
+                except PrimerlError:
+                    raise
+                except Exception as exc:  # whatever a damaged file raises
+                    raise unloadable(run, resume[0], exc) from exc
         settings = t.parallel.resolved(world_size())
         with device_mesh(parallelism.mesh_shape(world_size(), settings), device) as mesh:
             model, optimizer, layout = parallelism.parallelize(

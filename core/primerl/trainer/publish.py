@@ -43,6 +43,7 @@ import torch
 
 from primerl.errors import PrimerlError
 from primerl.inference import WeightSender
+from primerl.lora import ADAPTER_DIR, Split, lora_modules, merged, write_peft_adapter
 from primerl.parallel import Parallelism, is_publisher
 from primerl.rundir import (
     MANIFEST,
@@ -77,6 +78,8 @@ def publish_weights(run: RunDir, n: int, model: torch.nn.Module, *, adapter: Any
     """
     final = run.weights_step(n)
     units = parallelism.full_weights(model)
+    if adapters := lora_modules(model):  # inference serves the merged weights
+        units = merged(units, next(iter(adapters.values())).scale)
     if not is_publisher():
         for _ in units:  # the gathers need this rank
             pass
@@ -159,9 +162,17 @@ def save_checkpoint(run: RunDir, n: int, model: torch.nn.Module, optimizer: torc
     if _any_rank(failure is not None):  # every rank stops together, before any collective
         raise _unwritable(run, n, failure, tmp)
     units = parallelism.full_weights(model)
+    wrapped = lora_modules(model)
     if is_publisher():
         try:
-            adapter.save_checkpoint(model, tmp, tokenizer, state=_pairs(units))
+            if wrapped:  # the frozen weights as an HF checkpoint, the adapters beside them in PEFT's format
+                split = Split(units)
+                adapter.save_checkpoint(model, tmp, tokenizer, state=split.base())
+                one = next(iter(wrapped.values()))
+                write_peft_adapter(tmp / ADAPTER_DIR, split.adapters, rank=one.lora_A.out_features,
+                                   alpha=one.scale * one.lora_A.out_features, base_model=None)
+            else:
+                adapter.save_checkpoint(model, tmp, tokenizer, state=_pairs(units))
         except Exception as exc:  # noqa: BLE001 - safetensors reports a full disk as its own error
             failure = exc
     for _ in units:  # the other ranks' gathers need this one to the end, even after a failed write

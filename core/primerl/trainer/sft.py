@@ -7,7 +7,9 @@ answer and eos only. Samples are :class:`primerl.samples.Sample` records packed 
 as RL batches are, so the forward is the RL one.
 
 Why: a fresh tiny model earns no reward at all; a short warm-up gives RL something to
-improve. A pretrained checkpoint skips it (``sft.steps = 0``).
+improve. A pretrained checkpoint skips it (``sft.steps = 0``). With LoRA (``[trainer.lora]``)
+the warm-up trains the model's own weights, not the adapters: it makes the starting point
+that RL's adapters then adapt (and that checkpoints hold as the adapters' base).
 """
 
 from __future__ import annotations
@@ -47,9 +49,22 @@ def sft_samples(env: Any, tasks: list[Any], tokenizer: Any) -> list[Sample]:
 
 def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, parallelism: Parallelism) -> None:
     """``sft.steps`` steps of cross-entropy on answer tokens, ``sft.batch_size`` tasks each."""
+    from primerl.lora import LORA_PARTS
     from primerl.registry import get_registry
 
     env = get_registry().load("env", cfg.env.name)(cfg.env)
+    trains = {n: p.requires_grad for n, p in model.named_parameters()}  # RL's choice, restored after
+    if cfg.trainer.lora.rank:  # the model's own weights train here; the adapters (still zero) wait for RL
+        for n, p in model.named_parameters():
+            p.requires_grad_(not n.endswith(LORA_PARTS))
+    try:
+        _warm_up(cfg, model, tokenizer, parallelism, env)
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(trains[n])
+
+
+def _warm_up(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, parallelism: Parallelism, env: Any) -> None:
     s = cfg.sft
     optimizer = make_optimizer(model, s.lr, cfg.trainer.weight_decay)
     balancer = RouterBalancer(model, cfg.trainer.router_bias_update_rate, parallelism)

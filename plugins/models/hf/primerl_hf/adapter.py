@@ -35,7 +35,7 @@ class TransformersAdapter(ModelAdapter):
     Config = ModelConfig
     presets = ()
     model_types = ()  # any: whatever transformers knows as a causal LM
-    supports = ModelCapabilities()  # nothing that needs the model's internals
+    supports = ModelCapabilities(lora=True)  # LoRA wraps its linears; the rest needs the model's internals
 
     # -- configuration (no torch) ---------------------------------------------------------
 

@@ -24,7 +24,7 @@ class Kimi(HFModelAdapter):
     presets = tuple(PRESETS)
     preset_configs = PRESETS
     model_types = MODEL_TYPES
-    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True)
+    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True, lora=True)
     model_class = "primerl_kimi.model:KimiForCausalLM"
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:
