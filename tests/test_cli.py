@@ -93,3 +93,14 @@ def test_usage_errors_print_usage_not_a_traceback():
     for args, words in ((("models", "lst"), "No such command 'lst'"), (("plan", "--model", "glm5"), "--seq-len")):
         r = run_cli(*args)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_checkpoint_without_a_chat_template_is_refused_before_a_run_starts(tmp_path):
+    """Every env renders prompts with the tokenizer's chat template: a base model's checkpoint
+    without one is one line at config time, not a run that fails all its rollouts."""
+    from hf_checkpoints import write_checkpoint
+
+    ckpt = write_checkpoint("llama", tmp_path / "ckpt")
+    (ckpt / "chat_template.jinja").unlink()
+    r = run_cli("run", "--model", "hf", "--model.checkpoint", str(ckpt), "--env", "reverse-text", "--dry-run")
+    assert r.returncode == 2 and "has no chat template" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -313,6 +313,13 @@ def run(
 
     cfg = _resolve(ctx, {"model.name": model, "env.name": env, "output_dir": output_dir, "max_steps": max_steps,
                          "launcher.name": launcher_name})
+    if cfg.model.checkpoint is not None:
+        from primerl.models.checkpoint import has_chat_template
+
+        if not has_chat_template(cfg.model.checkpoint):
+            raise PrimerlError(f"model.checkpoint {cfg.model.checkpoint}: its tokenizer has no chat template, which "
+                               f"every env renders its prompts with: add one (chat_template in tokenizer_config.json, "
+                               f"or chat_template.jinja) or use a checkpoint of an instruct/chat model")
     if dry_run and not get_registry().capabilities("launcher", cfg.launcher.name).dry_run:
         typer.echo(dump_toml(to_dict(cfg)), nl=False)
         return

@@ -121,6 +121,18 @@ def read_config(directory: str | Path, model_type: str | tuple[str, ...]) -> dic
     return hf
 
 
+def has_chat_template(directory: str | Path) -> bool:
+    """Whether a checkpoint's tokenizer carries a chat template (``chat_template`` in
+    ``tokenizer_config.json``, or ``chat_template.jinja`` / ``chat_template.json``)."""
+    d = Path(directory)
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
 def fp8_block_size(hf: dict[str, Any]) -> int | None:
     """The block size of a block-FP8 checkpoint (``quantization_config``), or None."""
     q = hf.get("quantization_config") or {}
