@@ -227,8 +227,9 @@ class LoraConfig:
     rank: int = attrs.field(default=0, validator=_non_negative)
     # the update is scaled by alpha / rank
     alpha: float = attrs.field(default=16.0, validator=_positive)
-    # the linears adapted, by the last part of their names (q_proj, o_proj, gate_proj...);
-    # empty: every linear but the output head and the routers
+    # the modules adapted, by the last part of their names (q_proj, o_proj, gate_proj...;
+    # "experts": the routed experts, one adapter per expert); empty: every linear but the
+    # output head and the routers, and the routed experts
     target_modules: list[str] = attrs.Factory(list)
 
 

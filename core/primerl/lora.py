@@ -9,8 +9,12 @@ only (two AdamW moments of ``r x (in + out)`` numbers per wrapped linear instead
   ``bias`` under their names (frozen) and adds ``lora_A.weight`` [r, in] (PEFT's init)
   and ``lora_B.weight`` [out, r] (zeros): ``y = x W^T + b + (alpha / r) x A^T B^T``.
   Selected: the linears whose name ends with one of ``target_modules``, by default every
-  linear but the output head and routers (``gate``). Experts held as fused 3D tensors
-  are not linears and stay frozen.
+  linear but the output head and routers (``gate``).
+* Routed experts held as fused 3D tensors (:class:`primerl.models.layers.Experts`,
+  ``gate_up_proj`` [E, out, in], ``down_proj``) get an adapter per expert, as PEFT's
+  ``target_parameters`` does: ``A`` [E*r, in] and ``B`` [out, r*E] (registered as
+  ``lora_<param>_A`` / ``_B``), and the module reads ``W[e] + (alpha / r) B_e A_e``
+  (:func:`adapt_experts`).
 * Inference gets merged weights (``W + (alpha / r) B A``) through the usual channels
   (:func:`merged`), so every backend serves a LoRA run unchanged.
 * Checkpoints hold the frozen weights as before plus ``adapter/`` in PEFT's format
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -34,6 +39,12 @@ from primerl.errors import PrimerlError
 ADAPTER_DIR = "adapter"  # a checkpoint's PEFT adapter folder
 PEFT_PREFIX = "base_model.model."  # PEFT's names: this + the model's module name
 LORA_PARTS = (".lora_A.weight", ".lora_B.weight")
+_EXPERT_ADAPTER = re.compile(r"\.lora_(\w+)_(A|B)$")  # an expert module's adapter: lora_<param>_A / _B
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's (a linear's or an expert module's)."""
+    return name.endswith(LORA_PARTS) or _EXPERT_ADAPTER.search(name) is not None
 
 
 class LoRALinear(nn.Module):
@@ -52,21 +63,64 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)  # [out, r]
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # as PEFT: B = 0, so the model starts unchanged
         nn.init.zeros_(self.lora_B.weight)
-        self.scale = alpha / rank
+        self.scale, self.rank = alpha / rank, rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = nn.functional.linear(x, self.weight, self.bias)
         return out + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))).to(out.dtype) * self.scale
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """The model's LoRA-wrapped linears, by module name."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+class LoRAExperts:
+    """Mixed into an adapted :class:`~primerl.models.layers.Experts` (its class swapped, so
+    every path that reads its 3D weights reads the adapted ones): ``adapted`` lists its
+    adapted parameters, in PEFT's nesting order (the in-projection first)."""
+
+    adapted: tuple[str, ...]
+    scale: float
+    rank: int
+
+    def effective(self, name: str) -> torch.Tensor:
+        """``W + scale * delta``, delta[e] = B_e A_e: [E, out, in]."""
+        w = self._parameters[name]  # [E, out, in]
+        a, b = self._parameters[f"lora_{name}_A"], self._parameters[f"lora_{name}_B"]  # [E*r, in], [out, r*E]
+        E, r = w.shape[0], self.rank
+        delta = torch.einsum("ore,eri->eoi", b.view(b.shape[0], r, E), a.view(E, r, a.shape[-1]))
+        return w + (self.scale * delta).to(w.dtype)
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: Iterable[str] = ()) -> list[str]:
-    """Freeze every parameter of ``model`` and wrap the selected linears (see the module
-    docstring); returns the wrapped modules' names. None selected is an error."""
+def _adapted_class(cls: type, names: tuple[str, ...]) -> type:
+    props = {n: property(lambda self, n=n: self.effective(n)) for n in names}
+    return type(f"LoRA{cls.__name__}", (LoRAExperts, cls), props)
+
+
+def adapt_experts(module: nn.Module, rank: int, alpha: float) -> None:
+    """Per-expert adapters on ``module``'s 3D weights (in-projection, then ``down_proj``)."""
+    names = tuple(n for n in ("gate_up_proj", "up_proj", "down_proj") if n in module._parameters)
+    for n in names:
+        w = module._parameters[n]  # [E, out, in]
+        E, out, inp = w.shape
+        w.requires_grad_(False)
+        a = torch.empty(E * rank, inp, dtype=torch.float32, device=w.device)
+        for e in range(E):  # as PEFT: each expert's A like a linear's, B at zero
+            nn.init.kaiming_uniform_(a[e * rank:(e + 1) * rank], a=math.sqrt(5))
+        module.register_parameter(f"lora_{n}_A", nn.Parameter(a))
+        module.register_parameter(f"lora_{n}_B", nn.Parameter(torch.zeros(out, rank * E, device=w.device)))
+    module.__class__ = _adapted_class(type(module), names)
+    module.adapted, module.scale, module.rank = names, alpha / rank, rank
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts]:
+    """The model's adapted modules (linears and expert modules), by module name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))}
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: Iterable[str] = (), *,
+               experts: bool = True) -> list[str]:
+    """Freeze every parameter of ``model`` and wrap the selected linears and, with
+    ``experts``, adapt its routed-expert modules (see the module docstring); returns the
+    adapted modules' names. None selected is an error."""
+    from primerl.models.layers import Experts
+
     targets = tuple(target_modules)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = head if head is not None else getattr(model, "lm_head", None)
@@ -87,6 +141,12 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: Iterab
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, LoRALinear(getattr(parent, leaf), rank, alpha))
+    if experts:
+        expert_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, Experts)]
+        for name, module in expert_modules:
+            if not targets or any(name.endswith(t) or name.rsplit(".", 1)[-1] == t for t in targets):
+                adapt_experts(module, rank, alpha)
+                chosen.append(name)
     return chosen
 
 
@@ -95,13 +155,21 @@ def merged(units: Iterator[tuple[str, dict[str, torch.Tensor]]], scale: float
     """Full-weight units (``Parallelism.full_weights``) with each wrapped linear's weight
     merged (``W + scale * B A``) and its adapter left out: what inference serves."""
     for unit, part in units:
-        out = {n: t for n, t in part.items() if not n.endswith(LORA_PARTS)}
+        out = {n: t for n, t in part.items() if not is_adapter(n)}
         for name in part:
             if name.endswith(".lora_A.weight"):
                 base = name.removesuffix(".lora_A.weight")
                 a, b = part[name], part[base + ".lora_B.weight"]  # [r, in], [out, r]
                 w = out[base + ".weight"]
                 out[base + ".weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+            elif (m := _EXPERT_ADAPTER.search(name)) and m.group(2) == "A":
+                module, param = name[: m.start()], m.group(1)
+                a, b = part[name], part[f"{module}.lora_{param}_B"]  # [E*r, in], [out, r*E]
+                w = out[f"{module}.{param}"]  # [E, out, in]
+                E = w.shape[0]
+                r = a.shape[0] // E
+                delta = torch.einsum("ore,eri->eoi", b.float().view(b.shape[0], r, E), a.float().view(E, r, -1))
+                out[f"{module}.{param}"] = (w.float() + scale * delta).to(w.dtype)
         yield unit, out
 
 
@@ -115,10 +183,21 @@ class Split:
     def base(self) -> Iterator[tuple[str, torch.Tensor]]:
         for _unit, part in self.units:
             for name, t in part.items():
-                if name.endswith(LORA_PARTS):
+                if is_adapter(name):
                     self.adapters[name] = t.detach().to("cpu").contiguous()
                 else:
                     yield name, t
+
+
+def _peft_name(name: str) -> str:
+    """A model's adapter name -> PEFT's: linears as they are; an expert module's in-projection
+    nested inside its ``down_proj`` (PEFT wraps ``target_parameters`` in the order given)."""
+    m = _EXPERT_ADAPTER.search(name)
+    if m is None:
+        return PEFT_PREFIX + name
+    module, param, part = name[: m.start()], m.group(1), m.group(2)
+    inner = ".base_layer" if param != "down_proj" else ""
+    return f"{PEFT_PREFIX}{module}{inner}.lora_{part}.weight"
 
 
 def write_peft_adapter(directory: Path, adapters: dict[str, torch.Tensor], *, rank: int, alpha: float,
@@ -127,40 +206,48 @@ def write_peft_adapter(directory: Path, adapters: dict[str, torch.Tensor], *, ra
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    modules = sorted({n.removesuffix(".lora_A.weight").removesuffix(".lora_B.weight") for n in adapters})
+    linears = sorted({n.removesuffix(".lora_A.weight").removesuffix(".lora_B.weight")
+                      for n in adapters if n.endswith(LORA_PARTS)})
+    experts: dict[str, list[str]] = {}
+    for n in adapters:
+        if (m := _EXPERT_ADAPTER.search(n)) and m.group(2) == "A":
+            experts.setdefault(n[: m.start()], []).append(m.group(1))
+    parameters = [f"{module}.{p}" for module in sorted(experts)
+                  for p in sorted(experts[module], key=lambda p: p == "down_proj")]  # in-projection first
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
-        "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
-        "init_lora_weights": True, "use_rslora": False, "use_dora": False, "inference_mode": True,
-        "base_model_name_or_path": base_model,
+        "target_modules": linears, "target_parameters": parameters or None, "bias": "none",
+        "fan_in_fan_out": False, "modules_to_save": None, "init_lora_weights": True, "use_rslora": False,
+        "use_dora": False, "inference_mode": True, "base_model_name_or_path": base_model,
     }
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({PEFT_PREFIX + n: t for n, t in adapters.items()}, str(directory / "adapter_model.safetensors"),
+    save_file({_peft_name(n): t for n, t in adapters.items()}, str(directory / "adapter_model.safetensors"),
               metadata={"format": "pt"})
     return directory
 
 
 def load_adapter(model: nn.Module, directory: Path) -> None:
-    """A PEFT adapter folder's weights into the model's LoRA linears (resume); every wrapped
-    linear must be in it, with the shapes of this run's rank."""
+    """A PEFT adapter folder's weights into the model's adapters (resume); every adapter
+    must be in it, with the shapes of this run's rank."""
     from safetensors.torch import load_file
 
     path = Path(directory) / "adapter_model.safetensors"
     if not path.is_file():
         raise PrimerlError(f"{directory} holds no adapter_model.safetensors: this checkpoint was not written by a "
                            f"LoRA run (trainer.lora.rank must stay as it was)")
-    tensors = {n.removeprefix(PEFT_PREFIX): t for n, t in load_file(str(path)).items()}
-    own = {n: p for n, p in model.named_parameters() if n.endswith(LORA_PARTS)}
-    if set(tensors) != set(own) or any(tensors[n].shape != p.shape for n, p in own.items()):
+    tensors = load_file(str(path))
+    own = {n: p for n, p in model.named_parameters() if is_adapter(n)}
+    theirs = {n: tensors.get(_peft_name(n)) for n in own}
+    if len(tensors) != len(own) or any(t is None or t.shape != own[n].shape for n, t in theirs.items()):
         raise PrimerlError(f"the adapter in {directory} does not fit this run's LoRA layers (other target modules "
                            f"or rank): resume with the [trainer.lora] settings it was written with")
     with torch.no_grad():
         for n, p in own.items():
-            p.copy_(tensors[n])
+            p.copy_(theirs[n])
 
 
 def describe(model: nn.Module, wrapped: list[str], rank: int, alpha: float) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    return (f"lora: rank {rank}, alpha {alpha:g} on {len(wrapped)} linears; {trainable / 1e6:.3f}M trainable "
+    return (f"lora: rank {rank}, alpha {alpha:g} on {len(wrapped)} modules; {trainable / 1e6:.3f}M trainable "
             f"parameters of {total / 1e6:.2f}M ({100 * trainable / max(total, 1):.2f}%)")

@@ -28,7 +28,7 @@ def randomise_adapters(model, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith(".lora_B.weight"):
+            if n.endswith((".lora_B.weight", "_B")) and lora.is_adapter(n):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
@@ -46,7 +46,7 @@ def test_only_the_adapters_train_and_the_model_starts_unchanged(name):
     assert wrapped and not any(n.endswith(("lm_head", ".gate")) for n in wrapped)
     torch.testing.assert_close(logits(model, ids), before, atol=1e-5, rtol=0)  # B = 0 (MLA: unfolded, other rounding)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(n.endswith(lora.LORA_PARTS) for n in trainable)
+    assert trainable and all(lora.is_adapter(n) for n in trainable)
     opt = make_optimizer(model, 1e-3, 0.0)
     in_optimizer = {id(p) for g in opt.param_groups for p in g["params"]}
     assert in_optimizer == {id(p) for n, p in model.named_parameters() if n in trainable}
@@ -56,14 +56,17 @@ def test_only_the_adapters_train_and_the_model_starts_unchanged(name):
     assert got <= trainable and len(got) >= len(trainable) // 2  # (GLM-5's DSA indexer gets no gradient)
 
 
-def test_merged_weights_compute_what_the_adapted_model_does():
-    adapter, model, _ = tiny()
-    lora.apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+@pytest.mark.parametrize("name,targets", [("qwen3", ["q_proj", "v_proj", "down_proj"]), ("qwen3-moe", [])])
+def test_merged_weights_compute_what_the_adapted_model_does(name, targets):
+    """Linears and (qwen3-moe) routed experts: the merged weights give the adapted logits."""
+    adapter, model, _ = tiny(name)
+    wrapped = lora.apply_lora(model, rank=4, alpha=8, target_modules=targets)
+    assert (name == "qwen3-moe") == any(n.endswith(".experts") for n in wrapped)
     randomise_adapters(model)
     ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(1))
     ((_, state),) = list(lora.merged(iter([("all", dict(model.state_dict()))]), scale=8 / 4))
-    assert not any(n.endswith(lora.LORA_PARTS) for n in state)
-    _, plain, _ = tiny()
+    assert not any(lora.is_adapter(n) for n in state)
+    _, plain, _ = tiny(name)
     plain.load_state_dict(state)
     torch.testing.assert_close(logits(plain, ids), logits(model, ids), atol=1e-5, rtol=0)
 
@@ -74,12 +77,14 @@ def test_target_modules_that_select_nothing_are_refused():
         lora.apply_lora(model, rank=4, alpha=8, target_modules=["qkv"])
 
 
-def test_the_checkpointed_adapter_loads_with_peft_and_gives_the_merged_model_logits(tmp_path):
-    """The frozen weights as an HF checkpoint plus adapter/ (PEFT's format): transformers +
-    peft give primerl's merged logits (1e-5, float32); a resume loads the adapter back."""
+@pytest.mark.parametrize("name,targets", [("qwen3", []), ("qwen3-moe", ["q_proj", "o_proj", "experts"])])
+def test_the_checkpointed_adapter_loads_with_peft_and_gives_the_merged_model_logits(name, targets, tmp_path):
+    """The frozen weights as an HF checkpoint plus adapter/ (PEFT's format; qwen3-moe's routed
+    experts as PEFT's target_parameters): transformers + peft give primerl's logits (1e-5,
+    float32); a resume loads the adapter back."""
     peft = pytest.importorskip("peft")
-    adapter, model, tok = tiny()
-    lora.apply_lora(model, rank=4, alpha=8)
+    adapter, model, tok = tiny(name)
+    lora.apply_lora(model, rank=4, alpha=8, target_modules=targets)
     randomise_adapters(model)
     split = lora.Split(iter([("all", dict(model.state_dict()))]))
     adapter.save_checkpoint(model, tmp_path, tok, state=split.base())
@@ -91,12 +96,12 @@ def test_the_checkpointed_adapter_loads_with_peft_and_gives_the_merged_model_log
         theirs = with_adapter(input_ids=ids).logits
     torch.testing.assert_close(theirs, logits(model, ids), atol=1e-5, rtol=0)
 
-    _, resumed, _ = tiny()
+    _, resumed, _ = tiny(name)
     adapter.load_checkpoint(resumed, tmp_path)
-    lora.apply_lora(resumed, rank=4, alpha=8)
+    lora.apply_lora(resumed, rank=4, alpha=8, target_modules=targets)
     lora.load_adapter(resumed, tmp_path / lora.ADAPTER_DIR)
     torch.testing.assert_close(logits(resumed, ids), logits(model, ids), atol=0, rtol=0)
-    _, other, _ = tiny()
-    lora.apply_lora(other, rank=2, alpha=8)
+    _, other, _ = tiny(name)
+    lora.apply_lora(other, rank=2, alpha=8, target_modules=targets)
     with pytest.raises(PrimerlError, match="does not fit this run's LoRA layers"):
         lora.load_adapter(other, tmp_path / lora.ADAPTER_DIR)

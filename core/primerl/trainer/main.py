@@ -159,8 +159,10 @@ def main(cfg: RunConfig) -> None:
         if t.lora.rank:  # the frozen weights are in place (checkpoint or resume): wrap their linears
             from primerl import lora
 
-            wrapped = lora.apply_lora(model, t.lora.rank, t.lora.alpha, t.lora.target_modules)
-            log(lora.describe(model, wrapped, t.lora.rank, t.lora.alpha))
+            experts = t.parallel.ep == 1  # expert adapters are not split over expert-parallel ranks
+            wrapped = lora.apply_lora(model, t.lora.rank, t.lora.alpha, t.lora.target_modules, experts=experts)
+            log(lora.describe(model, wrapped, t.lora.rank, t.lora.alpha)
+                + ("" if experts else "; the routed experts stay frozen with trainer.parallel.ep > 1"))
             if resume is not None:
                 try:
                     lora.load_adapter(model, resume[1] / lora.ADAPTER_DIR)

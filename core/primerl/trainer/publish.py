@@ -169,8 +169,8 @@ def save_checkpoint(run: RunDir, n: int, model: torch.nn.Module, optimizer: torc
                 split = Split(units)
                 adapter.save_checkpoint(model, tmp, tokenizer, state=split.base())
                 one = next(iter(wrapped.values()))
-                write_peft_adapter(tmp / ADAPTER_DIR, split.adapters, rank=one.lora_A.out_features,
-                                   alpha=one.scale * one.lora_A.out_features, base_model=None)
+                write_peft_adapter(tmp / ADAPTER_DIR, split.adapters, rank=one.rank, alpha=one.scale * one.rank,
+                                   base_model=None)
             else:
                 adapter.save_checkpoint(model, tmp, tokenizer, state=_pairs(units))
         except Exception as exc:  # noqa: BLE001 - safetensors reports a full disk as its own error

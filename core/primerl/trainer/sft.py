@@ -49,14 +49,14 @@ def sft_samples(env: Any, tasks: list[Any], tokenizer: Any) -> list[Sample]:
 
 def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, parallelism: Parallelism) -> None:
     """``sft.steps`` steps of cross-entropy on answer tokens, ``sft.batch_size`` tasks each."""
-    from primerl.lora import LORA_PARTS
+    from primerl.lora import is_adapter
     from primerl.registry import get_registry
 
     env = get_registry().load("env", cfg.env.name)(cfg.env)
     trains = {n: p.requires_grad for n, p in model.named_parameters()}  # RL's choice, restored after
     if cfg.trainer.lora.rank:  # the model's own weights train here; the adapters (still zero) wait for RL
         for n, p in model.named_parameters():
-            p.requires_grad_(not n.endswith(LORA_PARTS))
+            p.requires_grad_(not is_adapter(n))
     try:
         _warm_up(cfg, model, tokenizer, parallelism, env)
     finally:
