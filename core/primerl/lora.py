@@ -131,23 +131,22 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: Iterab
         leaf = name.rsplit(".", 1)[-1]
         if (leaf in targets or any(name.endswith("." + t) for t in targets)) if targets else leaf != "gate":
             chosen.append(name)
-    if not chosen:
+    expert_modules = [n for n, m in model.named_modules() if isinstance(m, Experts)] if experts else []
+    expert_modules = [n for n in expert_modules
+                      if not targets or any(n.endswith("." + t) or n == t for t in targets)]
+    if not chosen and not expert_modules:
         raise PrimerlError(f"trainer.lora.target_modules {list(targets)} selects no linear layer of this model: name "
-                           f"the last part of the linears' names (e.g. q_proj, o_proj, gate_proj), or leave it empty "
-                           f"for every linear but the head and the routers")
+                           f"the last part of the linears' names (e.g. q_proj, o_proj, gate_proj; experts: the routed "
+                           f"experts), or leave it empty for every linear but the head and the routers")
     for p in model.parameters():
         p.requires_grad_(False)
     for name in chosen:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, LoRALinear(getattr(parent, leaf), rank, alpha))
-    if experts:
-        expert_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, Experts)]
-        for name, module in expert_modules:
-            if not targets or any(name.endswith(t) or name.rsplit(".", 1)[-1] == t for t in targets):
-                adapt_experts(module, rank, alpha)
-                chosen.append(name)
-    return chosen
+    for name in expert_modules:
+        adapt_experts(model.get_submodule(name), rank, alpha)
+    return chosen + expert_modules
 
 
 def merged(units: Iterator[tuple[str, dict[str, torch.Tensor]]], scale: float

@@ -105,3 +105,11 @@ def test_the_checkpointed_adapter_loads_with_peft_and_gives_the_merged_model_log
     lora.apply_lora(other, rank=2, alpha=8, target_modules=targets)
     with pytest.raises(PrimerlError, match="does not fit this run's LoRA layers"):
         lora.load_adapter(other, tmp_path / lora.ADAPTER_DIR)
+
+
+def test_the_experts_alone_can_be_adapted():
+    _, model, _ = tiny("qwen3-moe")
+    wrapped = lora.apply_lora(model, rank=2, alpha=4, target_modules=["experts"])
+    assert wrapped and all(n.endswith(".experts") for n in wrapped)
+    assert {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad} == {
+        "lora_gate_up_proj_A", "lora_gate_up_proj_B", "lora_down_proj_A", "lora_down_proj_B"}
