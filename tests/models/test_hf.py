@@ -214,3 +214,40 @@ def test_a_checkpoint_with_its_own_plugin_says_so(checkpoints, adapter, capfd):
     assert "primerl's own plugin --model qwen3" in capfd.readouterr().err
     build(adapter, checkpoints["llama"])
     assert "own plugin" not in capfd.readouterr().err
+
+
+MORE = {  # further architectures, config overrides on a tiny shape (mask and cache paths they add)
+    "mistral": dict(sliding_window=8),  # every layer sliding
+    "gemma2": dict(head_dim=16, sliding_window=8),  # eager attention with logit soft-capping, mixed layers
+    "cohere": {},  # logit_scale in the head
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32,
+                     head_dim=16),
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                        first_k_dense_replace=1, moe_intermediate_size=32, n_group=1, topk_group=1),  # keys != values
+}
+
+
+@pytest.mark.parametrize("arch", sorted(MORE))
+def test_more_architectures_match_transformers_packed_and_cached(arch, adapter, tmp_path):
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, max_position_embeddings=512)
+    config = transformers.AutoConfig.for_model(arch, **{**shape, **MORE[arch]})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    hf, model = reference(tmp_path), adapter.build(ModelConfig(name="hf", checkpoint=str(tmp_path))).eval()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, 300, (31,), generator=g), torch.randint(0, 300, (20,), generator=g)
+    with torch.no_grad():
+        ref_a, ref_b = hf(input_ids=a[None]).logits[0], hf(input_ids=b[None]).logits[0]
+        pos = torch.cat([torch.arange(31), torch.arange(20)])[None]
+        seg = torch.cat([torch.zeros(31), torch.ones(20)]).long()[None]
+        out = model(torch.cat([a, b])[None], pos, torch.tensor([51]), segment_ids=seg).logits[0]
+        cache = model.new_cache(num_slots=2, max_len=64)
+        first = model(a[None, :25], torch.arange(25)[None], torch.tensor([25]), cache=cache, slots=range(1, 2),
+                      past_lens=torch.tensor([0])).logits[0]
+        rest = model(a[None, 25:], torch.arange(25, 31)[None], torch.tensor([6]), cache=cache, slots=range(1, 2),
+                     past_lens=torch.tensor([25])).logits[0]
+    torch.testing.assert_close(out[:31], ref_a, atol=TOL, rtol=0)
+    torch.testing.assert_close(out[31:], ref_b, atol=TOL, rtol=0)
+    torch.testing.assert_close(torch.cat([first, rest]), ref_a, atol=TOL, rtol=0)
