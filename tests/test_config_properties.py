@@ -5,7 +5,7 @@ naming the problem), never in another exception."""
 from __future__ import annotations
 
 import attrs
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from primerl import config
@@ -32,6 +32,8 @@ VALUES = st.one_of(st.integers(-10**6, 10**6).map(str), st.floats(allow_nan=True
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(_keys()), VALUES), max_size=4))
+@example([("inference.router", "\n")])  # a plugin name with a newline: the message quotes it (repr)
+@example([("model.name", "a\nb")])
 def test_any_overrides_load_or_fail_with_a_config_error(overrides):
     try:
         load_config(ConfigSources(overrides=overrides))

@@ -89,7 +89,7 @@ def plugins_info(
         if c.name == name or key in {_normalize(c.plugin), _normalize(c.distribution or "")}
     ]
     if not hits:
-        raise PrimerlError(f"no plugin or component named '{name}'; see 'primerl plugins list'")
+        raise PrimerlError(f"no plugin or component named {name!r}; see 'primerl plugins list'")
     rows = []
     for c in hits:
         row = c.as_row()

@@ -322,11 +322,11 @@ class Registry:
             available = sorted({c.name for c in self.of_kind(kind) if c.error is None})
             hint = ", ".join(available) if available else "none installed"
             raise PluginError(
-                f"no {kind} named '{name}'. Available: {hint}. "
+                f"no {kind} named {name!r}. Available: {hint}. "
                 f"Run 'primerl plugins list' to see every plugin and its status."
             )
         if len(candidates) > 1:
-            raise PluginError(candidates[0].error or f"{kind} '{name}' is ambiguous")
+            raise PluginError(candidates[0].error or f"{kind} {name!r} is ambiguous")
         chosen = candidates[0]
         if chosen.error:
             raise PluginError(
