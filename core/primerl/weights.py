@@ -93,10 +93,18 @@ def stage(model: torch.nn.Module, path: str | Path, strict: bool = True,
     here, before the served weights are touched. Run it outside the engine's step gap.
     ``writable`` maps copy-on-write, as :func:`adopt` needs.
     """
-    targets = dict(model.state_dict(keep_vars=True))
     tensors = dict(iter_safetensors(path, writable=writable))
+    return pair(model, tensors, path, strict=strict)
+
+
+def pair(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str | Path, *, strict: bool = True,
+         may_lack: tuple[str, ...] = (), target: str = "the served model") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``tensors`` (model names) paired with the parameters they replace, after every name and
+    shape is checked (a :class:`WeightsError` naming what does not fit); ``may_lack``: names
+    the checkpoint may leave out (a tied head)."""
+    targets = dict(model.state_dict(keep_vars=True))
     unknown = sorted(set(tensors) - set(targets))
-    missing = sorted(set(targets) - set(tensors)) if strict else []
+    missing = sorted(set(targets) - set(tensors) - set(may_lack)) if strict else []
     bad_shape = [n for n, t in tensors.items() if n in targets and tuple(t.shape) != tuple(targets[n].shape)]
     if unknown or missing or bad_shape:
         parts = []
@@ -107,7 +115,7 @@ def stage(model: torch.nn.Module, path: str | Path, strict: bool = True,
         if bad_shape:
             n = bad_shape[0]
             parts.append(f"shape mismatch for {n}: {tuple(tensors[n].shape)} vs {tuple(targets[n].shape)}")
-        raise WeightsError(f"checkpoint '{path}' does not fit the served model: " + "; ".join(parts))
+        raise WeightsError(f"checkpoint '{source}' does not fit {target}: " + "; ".join(parts))
     return [(targets[name], t) for name, t in tensors.items()]  # the Parameter/buffer itself
 
 

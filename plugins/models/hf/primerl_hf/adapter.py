@@ -118,26 +118,12 @@ class TransformersAdapter(ModelAdapter):
     def load_checkpoint(self, model: Any, directory: Any) -> None:
         """Overwrite ``model``'s weights in place from an HF checkpoint folder (published or
         in-memory layout): every name and shape is checked before any weight changes."""
-        import torch
-
-        from primerl.weights import WeightsError, iter_safetensors
+        from primerl.weights import apply, iter_safetensors, pair
         from primerl_hf.convert import to_in_memory
 
         tensors = to_in_memory(model.hf, iter_safetensors(directory))
-        targets = model.state_dict()
         tied = _tied(model)
-        unknown = sorted(set(tensors) - set(targets))
-        missing = sorted(n for n in set(targets) - set(tensors) if not (tied and n == tied))
-        bad = [n for n, t in tensors.items() if n in targets and tuple(t.shape) != tuple(targets[n].shape)]
-        if unknown or missing or bad:
-            parts = [f"{len(unknown)} unknown tensor(s), e.g. {unknown[:3]}"] if unknown else []
-            parts += [f"{len(missing)} missing tensor(s), e.g. {missing[:3]}"] if missing else []
-            parts += [f"shape mismatch for {bad[0]}: {tuple(tensors[bad[0]].shape)} vs "
-                      f"{tuple(targets[bad[0]].shape)}"] if bad else []
-            raise WeightsError(f"checkpoint '{directory}' does not fit the model: " + "; ".join(parts))
-        with torch.no_grad():
-            for name, t in tensors.items():
-                targets[name].copy_(t)
+        apply(pair(model, tensors, directory, may_lack=(tied,) if tied else (), target="the model"))
 
     def save_checkpoint(self, model: Any, directory: Any, tokenizer: Any = None, *, state: Any = None,
                         **kwargs: Any) -> Any:
