@@ -80,12 +80,16 @@ class LoRAExperts:
     rank: int
 
     def effective(self, name: str) -> torch.Tensor:
-        """``W + scale * delta``, delta[e] = B_e A_e: [E, out, in]."""
+        """``W + scale * delta``: [E, out, in]."""
         w = self._parameters[name]  # [E, out, in]
-        a, b = self._parameters[f"lora_{name}_A"], self._parameters[f"lora_{name}_B"]  # [E*r, in], [out, r*E]
-        E, r = w.shape[0], self.rank
-        delta = torch.einsum("ore,eri->eoi", b.view(b.shape[0], r, E), a.view(E, r, a.shape[-1]))
+        delta = expert_delta(self._parameters[f"lora_{name}_A"], self._parameters[f"lora_{name}_B"], w.shape[0])
         return w + (self.scale * delta).to(w.dtype)
+
+
+def expert_delta(a: torch.Tensor, b: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Per-expert ``B_e A_e`` from PEFT's layout: a [E*r, in], b [out, r*E] -> [E, out, in]."""
+    r = a.shape[0] // n_experts
+    return torch.einsum("ore,eri->eoi", b.view(b.shape[0], r, n_experts), a.view(n_experts, r, a.shape[-1]))
 
 
 def _adapted_class(cls: type, names: tuple[str, ...]) -> type:
@@ -165,9 +169,7 @@ def merged(units: Iterator[tuple[str, dict[str, torch.Tensor]]], scale: float
                 module, param = name[: m.start()], m.group(1)
                 a, b = part[name], part[f"{module}.lora_{param}_B"]  # [E*r, in], [out, r*E]
                 w = out[f"{module}.{param}"]  # [E, out, in]
-                E = w.shape[0]
-                r = a.shape[0] // E
-                delta = torch.einsum("ore,eri->eoi", b.float().view(b.shape[0], r, E), a.float().view(E, r, -1))
+                delta = expert_delta(a.float(), b.float(), w.shape[0])
                 out[f"{module}.{param}"] = (w.float() + scale * delta).to(w.dtype)
         yield unit, out
 
