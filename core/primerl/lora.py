@@ -30,6 +30,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,6 +79,17 @@ class LoRAExperts:
     adapted: tuple[str, ...]
     scale: float
     rank: int
+    _during: dict[str, torch.Tensor] | None = None  # this forward's adapted weights, each computed once
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._during = {n: self.effective(n) for n in self.adapted}  # read many times (shapes, per expert)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._during = None
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self._during[name] if self._during is not None else self.effective(name)
 
     def effective(self, name: str) -> torch.Tensor:
         """``W + scale * delta``: [E, out, in]."""
@@ -93,7 +105,7 @@ def expert_delta(a: torch.Tensor, b: torch.Tensor, n_experts: int) -> torch.Tens
 
 
 def _adapted_class(cls: type, names: tuple[str, ...]) -> type:
-    props = {n: property(lambda self, n=n: self.effective(n)) for n in names}
+    props = {n: property(lambda self, n=n: self.weight(n)) for n in names}
     return type(f"LoRA{cls.__name__}", (LoRAExperts, cls), props)
 
 
