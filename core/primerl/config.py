@@ -228,8 +228,9 @@ class LoraConfig:
     # the update is scaled by alpha / rank
     alpha: float = attrs.field(default=16.0, validator=_positive)
     # the modules adapted, by the last part of their names (q_proj, o_proj, gate_proj...;
-    # "experts": the routed experts, one adapter per expert); empty: every linear but the
-    # output head and the routers, and the routed experts
+    # "experts": the routed experts, one adapter per expert; lm_head: the output head);
+    # empty: every linear but the routers (the head unless tied to the embeddings), and
+    # the routed experts
     target_modules: list[str] = attrs.Factory(list)
 
 

@@ -9,7 +9,9 @@ only (two AdamW moments of ``r x (in + out)`` numbers per wrapped linear instead
   ``bias`` under their names (frozen) and adds ``lora_A.weight`` [r, in] (PEFT's init)
   and ``lora_B.weight`` [out, r] (zeros): ``y = x W^T + b + (alpha / r) x A^T B^T``.
   Selected: the linears whose name ends with one of ``target_modules``, by default every
-  linear but the output head and routers (``gate``).
+  linear but the routers (``gate``), the output head included unless it is tied to the
+  input embeddings (on a small model much of what RL changes is in the head: the quick
+  start's reward rise is 0.12-0.16 without it, above 0.2 with it).
 * Routed experts held as fused 3D tensors (:class:`primerl.models.layers.Experts`,
   ``gate_up_proj`` [E, out, in], ``down_proj``) get an adapter per expert, as PEFT's
   ``target_parameters`` does: ``A`` [E*r, in] and ``B`` [out, r*E] (registered as
@@ -140,20 +142,27 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: Iterab
     targets = tuple(target_modules)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = head if head is not None else getattr(model, "lm_head", None)
+    tied = head is not None and any(isinstance(m, nn.Embedding) and m.weight is head.weight for m in model.modules())
     chosen = []
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or module is head:
+        if type(module) is not nn.Linear:
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if (leaf in targets or any(name.endswith("." + t) for t in targets)) if targets else leaf != "gate":
-            chosen.append(name)
+        if not ((leaf in targets or any(name.endswith("." + t) for t in targets)) if targets else leaf != "gate"):
+            continue
+        if module is head and tied:  # one matrix is both: an adapter of the head would change the embeddings
+            if targets:
+                raise PrimerlError(f"trainer.lora.target_modules names the output head {name!r}, whose weight is "
+                                   f"tied to the input embeddings: leave it out of target_modules")
+            continue
+        chosen.append(name)
     expert_modules = [n for n, m in model.named_modules() if isinstance(m, Experts)] if experts else []
     expert_modules = [n for n in expert_modules
                       if not targets or any(n.endswith("." + t) or n == t for t in targets)]
     if not chosen and not expert_modules:
         raise PrimerlError(f"trainer.lora.target_modules {list(targets)} selects no linear layer of this model: name "
                            f"the last part of the linears' names (e.g. q_proj, o_proj, gate_proj; experts: the routed "
-                           f"experts), or leave it empty for every linear but the head and the routers")
+                           f"experts), or leave it empty for every linear but the routers")
     for p in model.parameters():
         p.requires_grad_(False)
     for name in chosen:

@@ -230,6 +230,20 @@ def test_a_lora_run_publishes_merged_weights_checkpoints_a_peft_adapter_and_resu
     assert (adapted - frozen).abs().max() > 1e-4  # the adapters moved
 
 
+def test_lora_learns_the_quick_start(tmp_path):
+    """The quick start with ``--trainer.lora.rank 8`` (the default targets: every linear, the
+    head and the routed experts): the reward climbs (measured rises 0.23, 0.23; the bar leaves
+    room for noise)."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                        "--trainer.lora.rank", "8", "--output-dir", str(out)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rewards = [json.loads(line)["reward/mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last - first >= 0.15, (first, last)
+
+
 def test_multi_turn_wordle_run_completes(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "wordle",

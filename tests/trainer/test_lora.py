@@ -43,7 +43,8 @@ def test_only_the_adapters_train_and_the_model_starts_unchanged(name):
     ids = torch.randint(0, 200, (1, 24), generator=torch.Generator().manual_seed(0))
     before = logits(model, ids)
     wrapped = lora.apply_lora(model, rank=4, alpha=8)
-    assert wrapped and not any(n.endswith(("lm_head", ".gate")) for n in wrapped)
+    assert wrapped and not any(n.endswith(".gate") for n in wrapped)
+    assert ("lm_head" in wrapped) == (not model.config.tie_word_embeddings)  # the head too, unless tied
     torch.testing.assert_close(logits(model, ids), before, atol=1e-5, rtol=0)  # B = 0 (MLA: unfolded, other rounding)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(lora.is_adapter(n) for n in trainable)
@@ -54,6 +55,16 @@ def test_only_the_adapters_train_and_the_model_starts_unchanged(name):
     out.backward()
     got = {n for n, p in model.named_parameters() if p.grad is not None}
     assert got <= trainable and len(got) >= len(trainable) // 2  # (GLM-5's DSA indexer gets no gradient)
+
+
+def test_a_head_tied_to_the_embeddings_is_left_out_and_refused_when_named():
+    adapter = get_registry().load("model", "qwen3")()
+    hf = {**adapter.hf_config("tiny"), "tie_word_embeddings": True}
+    model = adapter.build_from_hf(hf, seed=0)
+    assert "lm_head" not in lora.apply_lora(model, rank=4, alpha=8)
+    model = adapter.build_from_hf(hf, seed=0)
+    with pytest.raises(PrimerlError, match="tied to the input embeddings: leave it out"):
+        lora.apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "lm_head"])
 
 
 @pytest.mark.parametrize("name,targets", [("qwen3", ["q_proj", "v_proj", "down_proj"]), ("qwen3-moe", [])])
