@@ -111,6 +111,7 @@ DETOKENIZE = "/detokenize"  # POST: {"prompt": str}
 MODELS = "/v1/models"  # GET: OpenAI's model list
 HEALTH = "/health"  # GET: Health, 200 once the server accepts requests
 METRICS = "/metrics"  # GET: Prometheus text
+GENERATE = "/inference/v1/generate"  # POST: GenerateResponse (vLLM's token-in API: token ids in and out)
 ADMIN_WEIGHTS = "/admin/weights"  # POST WeightUpdateRequest -> WeightUpdateResponse
 ADMIN_PAUSE = "/admin/pause"  # POST -> PauseResponse (stop scheduling; in-flight requests wait)
 ADMIN_RESUME = "/admin/resume"  # POST -> PauseResponse
@@ -219,6 +220,27 @@ class ChatChoice(TokenFields):
     logprobs: ChatLogprobs | None
 
 
+class TokenLogprob(TypedDict):
+    """``/inference/v1/generate``'s ``logprobs.content[i]``: tokens named ``"token_id:N"``."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[dict[str, Any]]  # [{"token": "token_id:N", "logprob": float}], the top k
+
+
+class GenerateLogprobs(TypedDict):
+    content: list[TokenLogprob]
+
+
+class GenerateChoice(TokenFields):
+    """One choice of ``/inference/v1/generate`` (``token_ids``, ``policy_versions`` and, when
+    asked, ``routed_experts`` as on the OpenAI routes)."""
+
+    index: int
+    finish_reason: Literal["stop", "length", "abort"] | None
+    logprobs: GenerateLogprobs | None  # with sampling_params.logprobs
+
+
 class Usage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
@@ -249,6 +271,22 @@ class ChatCompletionResponse(TypedDict):
     choices: list[ChatChoice]
     prompt_token_ids: list[int]
     usage: Usage
+
+
+class _GenerateResponse(TypedDict):
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    choices: list[GenerateChoice]
+    usage: Usage
+
+
+class GenerateResponse(_GenerateResponse, total=False):
+    """``/inference/v1/generate`` (vLLM's shape, as ``renderers.client.generate`` reads it)."""
+
+    # with sampling_params.prompt_logprobs: per prompt token (the first None), its logprob and
+    # top k by token id, as vLLM answers: {"N": {"logprob": float, "rank": int}}
+    prompt_logprobs: list[dict[str, dict[str, float]] | None]
 
 
 class TokenizeResponse(TypedDict):

@@ -301,3 +301,24 @@ def test_shm_channel_adopts_mapped_weights_and_rejects_bad_files(setup, tmp_path
     assert not any(p.is_inference() for p in model.parameters())
     ref = make_engine(newer, tok).generate(tok.encode("hi"), SamplingParams(max_tokens=6, temperature=0))[0]
     assert out.output_ids == ref.output_ids
+
+
+def test_priority_orders_the_queue_and_equal_priorities_keep_arrival_order(setup):
+    _, _, model, tok = setup
+    eng = make_engine(model, tok)  # not started: submissions stay queued
+    names = {}
+    for name, priority in [("a", 0), ("b", 0), ("c", -1), ("d", 5), ("e", -1), ("f", 0)]:
+        for s in eng.submit([1, 2, 3], SamplingParams(max_tokens=1, n=2 if name == "c" else 1, priority=priority)):
+            names[s.id] = name
+    assert [names[s.id] for s in eng.waiting] == ["c", "c", "e", "a", "b", "f", "d"]
+
+
+def test_a_cache_salt_keys_the_prefix_apart_from_every_other_salt():
+    from primerl_embedded.engine import salted_key
+
+    tokens = [5, 6, 7]
+    assert salted_key(tokens, None) == tokens
+    a, b = salted_key(tokens, "a"), salted_key(tokens, "b")
+    assert a[1:] == b[1:] == tokens[1:] and len({a[0], b[0], tokens[0]}) == 3
+    assert 2**31 <= a[0] < 2**32 and salted_key(tokens, "a") == a  # fits a block store's uint32, and is stable
+    assert salted_key([6, 6], "a")[0] != a[0]  # distinct first tokens stay distinct under one salt

@@ -2,7 +2,7 @@
 
 What: the OpenAI-compatible API (``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``), vLLM's extensions that RL libraries call (``/v1/chat/completions/tokens``,
-``/tokenize``, ``/detokenize``), ``/health``, ``/metrics`` and the admin endpoints
+``/tokenize``, ``/detokenize``, and the token-in ``/inference/v1/generate``), ``/health``, ``/metrics`` and the admin endpoints
 (``/admin/weights``, ``/admin/pause``, ``/admin/resume``, ``/admin/status``): request
 parsing (:mod:`primerl.serving.protocol`), prompts and chat templates
 (:class:`~primerl.serving.frontend.TokenizerFrontend`), and the shaping of every response
@@ -46,6 +46,7 @@ from primerl.serving.protocol import (
     ChatTokensRequest,
     CompletionRequest,
     DetokenizeRequest,
+    GenerateRequest,
     TokenizeRequest,
     WeightUpdateRequest,
 )
@@ -83,6 +84,8 @@ class Sampling:
     return_routed_experts: bool = False
     phase: str | None = None  # prefill/decode: "prefill", "decode", or None (the whole request)
     kv_transfer_params: dict[str, Any] | None = None  # the decode phase's, from its prefill
+    cache_salt: str | None = None  # cached prefixes are reused only by requests of the same salt
+    priority: int = 0  # lower is scheduled first; equal priorities in arrival order
 
     @classmethod
     def of(cls, req: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
@@ -316,6 +319,45 @@ class Front(TokenizerFrontend):
         turns plus the new turn's, so nothing the model produced is re-tokenized."""
         return await self.chat_completion(req, list(req.tokens))
 
+    async def generate(self, req: GenerateRequest) -> Any:
+        """vLLM's token-in generation: ``token_ids`` and ``sampling_params`` in; per choice the
+        sampled ids, their logprobs as ``"token_id:N"`` entries, policy versions and (asked)
+        routed experts out."""
+        sp, ids = req.sampling_params, list(req.token_ids)
+        sampling = Sampling(n=sp.n, max_tokens=sp.max_tokens if sp.max_tokens is not None else 16,
+                            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
+                            stop=tuple(sp.stop_list()), stop_token_ids=tuple(sp.stop_token_ids or ()),
+                            ignore_eos=sp.ignore_eos, logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs,
+                            return_routed_experts=req.return_routed_experts or sp.return_routed_experts,
+                            cache_salt=req.cache_salt,
+                            priority=req.priority)
+        try:
+            self.gen.check(ids, sampling)
+            gens = await self.gen.generate(ids, sampling)
+        except Refused as exc:
+            return exc.response()
+        choices: list[api.GenerateChoice] = []
+        for i, g in enumerate(gens):
+            logprobs = None
+            if sp.logprobs is not None:
+                logprobs = api.GenerateLogprobs(content=[
+                    api.TokenLogprob(token=f"token_id:{t}", logprob=lp, top_logprobs=[
+                        {"token": f"token_id:{k}", "logprob": v}
+                        for k, v in (g.top_logprobs[j] if j < len(g.top_logprobs) else {}).items()])
+                    for j, (t, lp) in enumerate(zip(g.token_ids, g.logprobs))])
+            choices.append(api.GenerateChoice(index=i, finish_reason=g.finish_reason, logprobs=logprobs,
+                                              **self.token_fields(g)))
+        out = api.GenerateResponse(request_id=req.request_id or f"gen-{uuid.uuid4().hex}", model=self.gen.model_name,
+                                   prompt_token_ids=ids, choices=choices, usage=self.usage(len(ids), gens))
+        if sp.prompt_logprobs is not None and gens:
+            g = gens[0]
+            out["prompt_logprobs"] = [
+                None if lp is None else {str(t): {"logprob": lp},
+                                         **{str(k): {"logprob": v} for k, v in (top or {}).items() if k != t}}
+                for t, lp, top in zip(ids, g.prompt_logprobs or [None] * len(ids),
+                                      g.prompt_top_logprobs or [None] * len(ids))]
+        return JSONResponse(out)
+
     async def tokenize(self, req: TokenizeRequest) -> Any:
         if (req.prompt is None) == (req.messages is None):
             return error(400, "give exactly one of 'prompt' (text) or 'messages' (a conversation)")
@@ -393,6 +435,7 @@ def create_app(gen: Generator, *, api_key: str | None = None, title: str = "prim
         ("POST", api.COMPLETIONS, front.completions),
         ("POST", api.CHAT_COMPLETIONS, front.chat),
         ("POST", api.CHAT_COMPLETIONS_TOKENS, front.chat_tokens),
+        ("POST", api.GENERATE, front.generate),
         ("POST", api.TOKENIZE, front.tokenize),
         ("POST", api.DETOKENIZE, front.detokenize),
         ("GET", api.METRICS, front.metrics),

@@ -128,6 +128,57 @@ class ChatTokensRequest(ChatCompletionRequest):
     tokens: list[int] = Field(min_length=1)
 
 
+class GenerateSamplingParams(BaseModel):
+    """``sampling_params`` of ``/inference/v1/generate`` (vLLM's ``SamplingParams`` names; the
+    fields primerl serves, unknown ones ignored)."""
+
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: score the prompt only (with prompt_logprobs)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    n: int = Field(default=1, ge=1, le=128)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the sampled token's (and the top k)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    skip_special_tokens: bool = True  # accepted: the answer is tokens, nothing is detokenized
+    return_routed_experts: bool = False  # as the request's own field (clients that pass sampling_params only)
+
+    @model_validator(mode="after")
+    def _zero_tokens_score_the_prompt(self) -> GenerateSamplingParams:
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs: the prompt is scored)")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerateRequest(BaseModel):
+    """``POST /inference/v1/generate``: vLLM's token-in generation (what verifiers' training
+    clients call through ``renderers.client.generate``)."""
+
+    model: str | None = None
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    cache_salt: str | None = Field(default=None, min_length=1)  # prefixes are reused only under the same salt
+    priority: int = 0  # lower runs first (vLLM's priority scheduling); equal: arrival order
+    stream: bool = False
+    return_routed_experts: bool = False
+    request_id: str | None = None
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("streaming is not supported by primerl's inference API; set stream=false")
+        return v
+
+
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None

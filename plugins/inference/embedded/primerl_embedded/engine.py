@@ -49,6 +49,7 @@ state only at a slot's full length). See :mod:`primerl.models.decoder`.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import time
@@ -87,6 +88,19 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: sampled token only; k: also the top-k alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
     return_routed_experts: bool = False
+    cache_salt: str | None = None  # cached prefixes are shared only by requests of the same salt
+    priority: int = 0  # lower is admitted first; equal priorities in arrival order
+
+
+def salted_key(tokens: list[int], salt: str | None) -> list[int]:
+    """The tokens a KV store keys a sequence's prefix by: its own, the first one replaced
+    under a ``cache_salt`` by a number no vocabulary holds (2**31 and up, from the salt's
+    hash; block stores pack tokens as uint32), so a salted prefix matches only the same salt's, in every store (slot-resident
+    or blocks) and without a store knowing salts."""
+    if salt is None or not tokens:
+        return tokens
+    mark = int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=4).digest(), "little") | (1 << 31)
+    return [mark ^ tokens[0], *tokens[1:]]
 
 
 class Phase(Protocol):
@@ -141,6 +155,10 @@ class Sequence:
     def scores_prompt(self) -> bool:
         """Whether this sequence computes its prompt's logprobs (a sibling shares its leader's)."""
         return self.params.prompt_logprobs is not None and self.leader is None
+
+    def cache_key(self, n: int | None = None) -> list[int]:
+        """The KV store's key of the first ``n`` tokens (all by default): :func:`salted_key`."""
+        return salted_key(self.tokens if n is None else self.tokens[:n], self.params.cache_salt)
 
     def routed_experts(self) -> torch.Tensor | None:
         """[tokens processed, L, k] routed expert ids (uint8, or int16 above 255 experts)."""
@@ -236,7 +254,12 @@ class Engine:
             if len(self.waiting) + len(seqs) > self.max_waiting:
                 raise QueueFull(f"the server's queue is full ({len(self.waiting)} sequences waiting, at most "
                                 f"{self.max_waiting}: inference.max_queue): retry later")
-            self.waiting.extend(seqs)
+            if self.waiting and self.waiting[-1].params.priority > params.priority:
+                at = next(i for i, w in enumerate(self.waiting) if w.params.priority > params.priority)
+                for k, seq in enumerate(seqs):  # before the first of a later priority, after its equals
+                    self.waiting.insert(at + k, seq)
+            else:
+                self.waiting.extend(seqs)
             self.stats.requests += 1
             self._lock.notify_all()
         return seqs
@@ -457,7 +480,7 @@ class Engine:
             if leader is not None and leader.finish_reason is None and leader.slot >= 0:
                 sibling, n = leader, limit
             else:
-                hit = self.kv_store.lookup(seq.prompt_ids)
+                hit = self.kv_store.lookup(salted_key(seq.prompt_ids, seq.params.cache_salt))
                 n = min(hit.length, limit) if hit is not None else 0
                 hit = hit if n > 0 else None
         if seq.phase is not None and sibling is None and n < seq.phase.must_find(len(seq.prompt_ids)):
@@ -491,7 +514,7 @@ class Engine:
         if keep_prefix and seq.phase is not None:  # its KV is still in its slot: the phase's turn
             seq.phase.retired(seq, current=seq.kv_version == self.version)
         if keep_prefix and self.prefix_reuse and not (self._current_kv_only and seq.kv_version != self.version):
-            self.kv_store.keep(seq.slot, seq.tokens[: seq.cached], seq.routed)
+            self.kv_store.keep(seq.slot, seq.cache_key(seq.cached), seq.routed)
         else:
             self.slots.release(seq.slot)
 

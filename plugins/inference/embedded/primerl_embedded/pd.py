@@ -92,7 +92,7 @@ class PrefillPhase:
         return 0
 
     def retired(self, seq: Sequence, current: bool) -> None:
-        self.blocks = self.handoff.publish(seq.slot, seq.tokens[: seq.cached], seq.routed) if current else 0
+        self.blocks = self.handoff.publish(seq.slot, seq.cache_key(seq.cached), seq.routed) if current else 0
 
 
 class DecodePhase:

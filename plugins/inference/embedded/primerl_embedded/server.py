@@ -73,6 +73,7 @@ class EngineGenerator:
             top_k=sampling.top_k, seed=sampling.seed, n=sampling.n, stop=list(sampling.stop),
             stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
             prompt_logprobs=sampling.prompt_logprobs, return_routed_experts=sampling.return_routed_experts,
+            cache_salt=sampling.cache_salt, priority=sampling.priority,
         )
 
     def check(self, prompt_ids: list[int], sampling: Sampling) -> None:

@@ -76,6 +76,7 @@ def vllm_command(cfg: Any, model_dir: str | Path, port: int) -> list[str]:
         "--enable-scale-out",
         "--worker-extension-cls", "primerl_vllm.worker.PrimerlWorkerExtension",
         "--disable-uvicorn-access-log",
+        "--scheduling-policy", "priority",  # a request's priority is honoured (equal ones: arrival order)
         "--tensor-parallel-size", str(inf.tensor_parallel_size),
         "--data-parallel-size", str(inf.data_parallel_size),
     ]

@@ -222,12 +222,16 @@ class Proxy:
         except ValueError:
             return r.text
 
-    async def vllm_generate(self, prompt_ids: list[int], sampling: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        """One vLLM generation; (its response, the version the request started under)."""
+    async def vllm_generate(self, prompt_ids: list[int], sampling: dict[str, Any], cache_salt: str | None = None,
+                            priority: int = 0) -> tuple[dict[str, Any], int]:
+        """One vLLM generation; (its response, the version the request started under). The
+        prefix cache is salted by the policy version (and the request's own salt), so no
+        request reuses KV of other weights (or of another salt)."""
         await self.open.wait()  # not while weights are being swapped: start under the new ones
         version = self.version
+        salt = f"primerl-policy-v{version}" + (f"/{cache_salt}" if cache_salt is not None else "")
         body = {"model": self.model_name, "token_ids": prompt_ids, "sampling_params": sampling,
-                "output_mode": "tokens", "cache_salt": f"primerl-policy-v{version}"}
+                "output_mode": "tokens", "cache_salt": salt, "priority": priority}
         self.in_flight += sampling["n"]
         try:
             return await self.call("POST", GENERATE, json=body), version
@@ -257,7 +261,8 @@ class Proxy:
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> list[Generation]:
         try:
-            resp, version = await self.vllm_generate(prompt_ids, self.sampling(sampling))
+            resp, version = await self.vllm_generate(prompt_ids, self.sampling(sampling), sampling.cache_salt,
+                                                     sampling.priority)
         except UpstreamError as exc:
             raise refused(exc) from None
         k = sampling.logprobs or 0
