@@ -164,6 +164,44 @@ def test_openai_client_completions_and_chat_with_logprobs(server):
     assert r.usage.completion_tokens == 8
 
 
+@needs_vllm
+def test_token_in_generate_through_renderers_matches_vllms_own_prompt_scoring(server):
+    """verifiers' training client (``renderers.client.generate``) against the vLLM backend's
+    ``/inference/v1/generate``: the sampled ids and logprobs equal vLLM's prompt logprobs of
+    the same tokens (1e-5), and every token names its policy version."""
+    import asyncio
+
+    import httpx
+    from openai import AsyncOpenAI
+
+    pytest.importorskip("renderers")
+    from renderers.client import generate
+    from renderers.default import DefaultRenderer
+
+    from primerl.tokenizer import byte_tokenizer
+
+    client = AsyncOpenAI(base_url=server + "/v1", api_key="unused")
+    out = asyncio.run(generate(client=client, renderer=DefaultRenderer(byte_tokenizer()),
+                               messages=[{"role": "user", "content": "reverse: abc"}], model=MODEL,
+                               sampling_params={"max_tokens": 8, "temperature": 1.0, "seed": 3}, cache_salt="ep-1"))
+    prompt, completion = out["prompt_ids"], out["completion_ids"]
+    assert completion and len(out["completion_logprobs"]) == len(completion)
+    scored = httpx.post(server + "/inference/v1/generate", json={
+        "model": MODEL, "token_ids": prompt + completion,
+        "sampling_params": {"max_tokens": 0, "prompt_logprobs": 0}}, timeout=120).json()
+    rows = scored["prompt_logprobs"][len(prompt):]
+    want = [row[str(t)]["logprob"] for t, row in zip(completion, rows)]
+    assert out["completion_logprobs"] == pytest.approx(want, abs=1e-5)
+    raw = httpx.post(server + "/inference/v1/generate", json={
+        "model": MODEL, "token_ids": prompt, "priority": -1,
+        "sampling_params": {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 1}}, timeout=120).json()
+    (choice,) = raw["choices"]
+    assert choice["policy_versions"] == [0] * 4 and raw["prompt_token_ids"] == prompt
+    assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    (card,) = httpx.get(server + "/v1/models").json()["data"]
+    assert card["max_model_len"] == 512
+
+
 def greedy(server, prompts, max_tokens=16):
     import httpx
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import io
 import json
 import re
@@ -175,6 +176,7 @@ class Proxy:
         self.started = time.time()
         self.updates = 0
         self.last_update_seconds = 0.0
+        self.answered = 0  # generations vLLM answered (the watchdog's progress)
         self.in_flight = 0  # sequences sent to vLLM and not finished
         self.nccl = nccl  # vLLM was started with --weight-transfer-config (trainer.weight_channel = "nccl")
         self.nccl_update: float | None = None  # perf_counter at start_weight_update while an NCCL update runs
@@ -229,7 +231,9 @@ class Proxy:
         request reuses KV of other weights (or of another salt)."""
         await self.open.wait()  # not while weights are being swapped: start under the new ones
         version = self.version
-        salt = f"primerl-policy-v{version}" + (f"/{cache_salt}" if cache_salt is not None else "")
+        salt = f"primerl-policy-v{version}"
+        if cache_salt is not None:  # vLLM allows 128 characters, none of @ / \\ NUL: the salt's hash
+            salt += "-" + hashlib.blake2b(cache_salt.encode(), digest_size=16).hexdigest()
         body = {"model": self.model_name, "token_ids": prompt_ids, "sampling_params": sampling,
                 "output_mode": "tokens", "cache_salt": salt, "priority": priority}
         self.in_flight += sampling["n"]
@@ -237,6 +241,7 @@ class Proxy:
             return await self.call("POST", GENERATE, json=body), version
         finally:
             self.in_flight -= sampling["n"]
+            self.answered += 1
 
     @staticmethod
     def sampling(sampling: Sampling) -> dict[str, Any]:
