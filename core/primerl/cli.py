@@ -358,6 +358,11 @@ def inference(
     cfg = _resolve(ctx, {"model.name": model, "model.checkpoint": checkpoint,
                          "inference.host": host, "inference.port": port})
     backend = get_registry().load("inference_backend", cfg.inference.backend)
+    from primerl import watchdog
+    from primerl.rundir import RunDir
+
+    watchdog.start(f"inference:{cfg.inference.port}", RunDir(cfg.output_dir), cfg)  # in a launched run only
+    watchdog.doing("loading the model", busy=True)
     backend().serve(cfg)
 
 

@@ -410,6 +410,20 @@ class LauncherConfig:
 
 
 @attrs.define(kw_only=True)
+class WatchdogConfig:
+    """The ``[watchdog]`` section: a run that makes no progress says where it is stuck
+    (:mod:`primerl.watchdog`): every process's waits and Python stacks go to
+    ``logs/watchdog.log``, and one line names the stuck stage."""
+
+    # seconds without progress (no rollout, batch or trainer step anywhere) before the
+    # watchdog reports; 0: off
+    stall_timeout_s: float = attrs.field(default=600.0, validator=_non_negative)
+    # after the report: "exit" stops the run (exit code 3), "wait" keeps it going and
+    # reports again after another stall_timeout_s without progress
+    on_stall: str = attrs.field(default="exit", validator=attrs.validators.in_(("exit", "wait")))
+
+
+@attrs.define(kw_only=True)
 class RunConfig:
     """Everything a run needs; written to ``OUTPUT_DIR/config.toml`` for its processes."""
 
@@ -427,6 +441,7 @@ class RunConfig:
     orchestrator: OrchestratorConfig = attrs.field(factory=OrchestratorConfig)  # [orchestrator]
     sft: SftConfig = attrs.field(factory=SftConfig)  # [sft]: the optional warm-up before RL
     launcher: LauncherConfig = attrs.field(factory=LauncherConfig)  # [launcher]
+    watchdog: WatchdogConfig = attrs.field(factory=WatchdogConfig)  # [watchdog]: stalls reported, not silent
 
     def check(self, sources: Mapping[str, str]) -> None:
         """Rules that span fields; each error names the keys involved."""

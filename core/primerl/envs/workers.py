@@ -21,7 +21,9 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from primerl.envs import TaskError
+from primerl import watchdog
+from primerl.config import EnvConfig
+from primerl.envs import Task, TaskError
 from primerl.errors import PrimerlError
 
 
@@ -36,6 +38,7 @@ def _serve(conn: Any, env: str | type, env_config: Any) -> None:
     # on the signals sent to the orchestrator's process group: it must get to env.close().
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    watchdog.dump_stacks_on_signal()  # a stuck run's report shows where a call hangs
     if isinstance(env, str):  # a registry pick: "NAME" or "PLUGIN:NAME", as in --env
         from primerl.registry import get_registry
 
@@ -109,7 +112,7 @@ class EnvWorkers:
 
     def __init__(self, env: str | type, env_config: Any, processes: int) -> None:
         self.env, self.env_config = env, env_config
-        self.env_name = _env_label(env)
+        self.env_name = env_config.name if isinstance(env_config, EnvConfig) else _env_label(env)
         self.ctx = mp.get_context("spawn")  # no forked copy of the orchestrator's threads and sockets
         self.idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self.workers = [_Worker(self.ctx, env, env_config) for _ in range(processes)]
@@ -126,11 +129,17 @@ class EnvWorkers:
         self.replaced += 1
         return fresh
 
+    def pids(self) -> list[int]:
+        """The workers' process ids (the watchdog asks them for their stacks)."""
+        return [w.proc.pid for w in self.workers if w.proc.pid is not None]
+
     async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         worker = await self.idle.get()
         loop = asyncio.get_running_loop()
+        task = f" of task {args[0].id}" if args and isinstance(args[0], Task) else ""
         try:
-            result = await asyncio.wait_for(loop.run_in_executor(self.threads, worker.call, method, args), timeout)
+            with watchdog.waiting("env", f"{self.env_name}.{method}{task} in worker {worker.proc.pid}"):
+                result = await asyncio.wait_for(loop.run_in_executor(self.threads, worker.call, method, args), timeout)
         except asyncio.TimeoutError:
             worker = self._replace(worker)
             raise EnvCallError(f"env {self.env_name}.{method} took longer than {timeout:.0f}s; worker killed") from None

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from primerl import watchdog
 from primerl.errors import PrimerlError
 from primerl.inference import (
     ADMIN_WEIGHTS,
@@ -397,12 +398,14 @@ class InferenceClient:
         route = Route(path=path, session=session, prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
         headers = self._headers(route)
         while True:
-            url = await self._pick(route)
+            with watchdog.waiting("inference", f"a server up for {path} (none is)"):
+                url = await self._pick(route)
             srv = self.state.get(url)
             token = srv.ejections if srv else 0
             t0 = time.monotonic()
             try:
-                r = await self._send(url, path, body, headers=headers)
+                with watchdog.waiting("inference", f"{path} to {url}"):
+                    r = await self._send(url, path, body, headers=headers)
             except (httpx.HTTPError, ServerLost) as exc:
                 self.router.finished(route, url, ok=False, seconds=time.monotonic() - t0)
                 if not await self._gone(url, token, exc):

@@ -62,6 +62,7 @@ from typing import Any
 
 import attrs
 
+from primerl import watchdog
 from primerl.advantages import compute_advantages
 from primerl.config import RunConfig
 from primerl.envs import Environment, Task, TaskError
@@ -215,6 +216,8 @@ class Orchestrator:
         kind = load_target(env.rollout)
         # multi-turn and agent envs run in worker processes; appending env turns needs the tokenizer
         self.workers = EnvWorkers(type(env), cfg.env, self.o.env_workers) if kind.uses_workers else None
+        if self.workers is not None:
+            watchdog.add_children_source(self.workers.pids)
         self.tokenizer = (get_registry().load("model", cfg.model.name)().tokenizer(cfg.model)
                           if kind.needs_tokenizer else None)
         self.kind = kind(RolloutContext(cfg=cfg, env=env, client=client, workers=self.workers,
@@ -312,7 +315,8 @@ class Orchestrator:
         while True:
             newest = self.run_dir.newest_published()
             if newest is not None and newest > self.version:
-                await self.client.load_weights(self.run_dir.weights_source(newest), newest)
+                with watchdog.waiting("weights", f"inference loading policy v{newest} (from v{self.version})"):
+                    await self.client.load_weights(self.run_dir.weights_source(newest), newest)
                 self.version = newest
                 self.version_changed.set()
                 up, total = len(self.client.servers_up()), len(self.client.servers)
@@ -352,6 +356,7 @@ class Orchestrator:
             self.pending.pop(group.draw, None)
             return
         exc = job.exception()
+        watchdog.advance()  # a group ended (a failed one too: the run is not stuck)
         if exc is None:
             self.failures.succeeded()
             self.finished.put_nowait(group)
@@ -381,6 +386,7 @@ class Orchestrator:
             groups = self.batching
             dropped = 0
             while len(groups) < self.groups_per_batch:
+                watchdog.doing(f"filling batch {n}: {len(groups)} of {self.groups_per_batch} groups")
                 group = await self.finished.get()
                 staleness = (n - 1) - group.oldest_version
                 self.pending.pop(group.draw, None)
@@ -433,6 +439,7 @@ class Orchestrator:
             await asyncio.to_thread(self._write_batch, RolloutBatch(step=n, samples=samples, metrics=metrics),
                                     position.record([g.draw for g in groups if g.draw is not None]))
             self.batches_written, self.batching = n, []
+            watchdog.advance()
             log(f"batch {n}: reward {metrics['reward/mean']:.3f}, staleness max {metrics['off_policy/max']}, "
                 f"dropped {dropped}, inference v{self.version}")
             if self.o.eval_every and n % self.o.eval_every == 0 and n < self.cfg.max_steps:
@@ -456,6 +463,7 @@ class Orchestrator:
         run at once: its exception is raised (a :class:`PrimerlError` as it is, anything
         else as :class:`RunFailed` naming the loop), never left to a silent wait."""
         self.eval_tasks = self._eval_tasks() if self.o.eval_every else []
+        watchdog.doing("waiting for the inference servers to answer /health")
         await self.client.wait_ready()
         self.broken = asyncio.get_running_loop().create_future()
         loops = {asyncio.create_task(self.watch_weights()): "the weight watcher",
@@ -489,6 +497,7 @@ class Orchestrator:
 
 
 def main(cfg: RunConfig) -> None:
+    watchdog.start("orchestrator", RunDir(cfg.output_dir), cfg)
     registry = get_registry()
     env = registry.load("env", cfg.env.name)(cfg.env)
     client = inference_client(cfg, servers=inference_urls(cfg), api_key=cfg.inference.resolved_api_key())

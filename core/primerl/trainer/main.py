@@ -40,6 +40,7 @@ import attrs
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from primerl import watchdog
 from primerl.config import RunConfig
 from primerl.errors import PluginError, PrimerlError
 from primerl.parallel import Parallelism, barrier, device_mesh, init_trainer_group, is_publisher, world_size
@@ -140,6 +141,8 @@ def main(cfg: RunConfig) -> None:
     loss_fn = get_loss(t.loss)  # fail fast on a bad name
     parallelism = load_parallelism(t.resolved_parallelism())
     owns_group = init_trainer_group(device)
+    watchdog.start(f"trainer-{torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}", run, cfg)
+    watchdog.doing("loading the model", busy=True)
     try:
         adapter, model, tokenizer = build_model(cfg)
         n_params = sum(p.numel() for p in model.parameters())
@@ -242,6 +245,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         if is_publisher() and (kept := trim_metrics(run, 0)) is not None:
             log(f"no checkpoint to resume from: an earlier attempt's metrics.jsonl is kept as {kept}")
         if cfg.sft.steps > 0:
+            watchdog.doing("the SFT warm-up", busy=True)
             sft_warmup(cfg, model, tokenizer, parallelism)
             seed_everything(cfg.seed)  # RL draws the same randomness with or without SFT
         publish(0)
@@ -253,7 +257,9 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
     last_end = None
     for n in range(start + 1, cfg.max_steps + 1):
         t_wait = time.perf_counter()
-        wait_for(run.batch(n))
+        watchdog.doing(f"step {n} of {cfg.max_steps}")
+        with watchdog.waiting("batch", f"batch {n} ({run.batch(n).relative_to(run.root)}) from the orchestrator"):
+            wait_for(run.batch(n))
         t_start = time.perf_counter()  # the batch is available: time/step starts here
         batch = read_batch(run.batch(n))
         packed = pack(batch.samples, t.seq_len, share_prompts=share)
@@ -263,7 +269,8 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         lr = optimizer.param_groups[0]["lr"]
         stats = rl_step(model, optimizer, packed, loss_fn, cfg, parallelism)
         scheduler.step()
-        publish(n)
+        with watchdog.waiting("publish", f"publishing weights v{n}"):
+            publish(n)
         t_end = time.perf_counter()
         if is_publisher():
             prune_weights(run, n, keep)
@@ -288,6 +295,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         }
         if is_publisher():
             append_metrics(run, record)
+        watchdog.advance()
         last_end = t_end
         log(f"step {n}/{cfg.max_steps} samples {len(batch.samples)} rows {packed.num_rows} "
             f"tokens {packed.num_tokens} loss {stats['loss']:.4f} mismatch_kl {stats['mismatch_kl']:.2e} "

@@ -86,6 +86,10 @@ class EmbeddedBackend:
         check_port_free(cfg.inference.host, cfg.inference.port)  # before the model is built
         engine, tokenizer, adapter = self.build(cfg)
         engine.start()
+        from primerl import watchdog
+
+        watchdog.add_progress_source(lambda: engine.stats.prompt_tokens + engine.stats.generated_tokens)
+        watchdog.doing("serving")
         app = create_app(engine, tokenizer, cfg.model.name, load_weights=self.weight_loader(engine, adapter),
                          api_key=cfg.inference.resolved_api_key())
         try:

@@ -121,6 +121,10 @@ class VllmBackend:
             proxy = Proxy(server.url, adapter.tokenizer(cfg.model), cfg.model.name, max_model_len=inf.max_model_len,
                           served_config=served_config, moe_layout=adapter.moe_layout(cfg.model),
                           nccl=cfg.trainer.weight_channel == "nccl")
+            from primerl import watchdog
+
+            watchdog.add_progress_source(lambda: proxy.answered)
+            watchdog.doing("serving (vLLM at " + server.url + ")")
             web = uvicorn.Server(uvicorn.Config(create_app(proxy, api_key=inf.resolved_api_key()), host=inf.host, port=inf.port, log_level="warning"))
 
             def watch() -> None:  # vLLM gone: stop serving, so the launcher sees this process end

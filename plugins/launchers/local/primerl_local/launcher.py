@@ -37,6 +37,11 @@ children go with it) and asks the kernel to SIGTERM it if the launcher dies. On 
 SIGTERM or a crashing child we stop all children — SIGTERM, then SIGKILL after a grace
 period — and say why.
 
+Stalls: a run that makes no progress for ``watchdog.stall_timeout_s`` is reported by the
+:class:`primerl.watchdog.Watchdog` (every process's waits and stacks in
+``logs/watchdog.log``, the stuck stage in one line) and, with ``watchdog.on_stall =
+"exit"``, stopped with exit code 3.
+
 CPU threads: the processes share the machine, so each child gets a share of the cores
 (``OMP_NUM_THREADS``), which the trainer's ranks and the inference replicas split among
 themselves; oversubscribed OpenMP threads spin and can make torch tens of times slower.
@@ -60,9 +65,11 @@ from primerl.resume import prepare_run
 from primerl.rundir import RunDir
 from primerl.runtime import RunTime
 from primerl.runview import summarize
+from primerl.watchdog import Watchdog, clear_beacons
 
 CHILDREN = ("inference", "orchestrator", "trainer")  # kinds of child; inference may be N replicas
 GRACE_SECONDS = 10.0
+STALLED = 3  # the exit code of a run the watchdog stopped
 
 
 def inference_names(cfg: RunConfig) -> list[str]:
@@ -191,8 +198,12 @@ class LocalLauncher:
                     cwd=os.getcwd(),
                 )
 
+            clear_beacons(run_dir)
             for name in spec:
                 start(name)
+            by_port = {f"inference:{port}": name for name, port in zip(names, ports)}
+            dog = Watchdog(cfg, run_dir, names=lambda role: by_port.get(role, role.split("-")[0]),
+                           logs=run_dir.log, urls=lambda: [f"http://{cfg.inference.host}:{p}" for p in ports])
             gone: list[str] = []  # inference replicas that exited for good, in the order seen
             restarts = dict.fromkeys(names, 0)
             with view:
@@ -200,6 +211,16 @@ class LocalLauncher:
                     view.refresh()
                     if procs["trainer"].poll() == 0:
                         break
+                    if (stall := dog.check()) is not None:
+                        line = (f"the run made no progress for {cfg.watchdog.stall_timeout_s:.0f} s: {stall.stage} "
+                                f"(every process's waits and stacks: {stall.report})")
+                        if cfg.watchdog.on_stall == "exit":
+                            view.stop()
+                            self._stop_all(procs)
+                            print(f"\nerror: {line}; stopped the run (watchdog.on_stall = \"exit\"; the same "
+                                  f"command resumes it from its newest checkpoint)", file=sys.stderr)
+                            return STALLED
+                        view.note(f"warning: {line}; still waiting (watchdog.on_stall = \"wait\")")
                     for name in names:
                         if name in gone or procs[name].poll() is None:
                             continue
