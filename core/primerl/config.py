@@ -16,6 +16,7 @@ allowed; the CLI prints them and exits with code 2, without a traceback.
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 import types
 import typing
@@ -342,6 +343,38 @@ class TrainerConfig:
         return None
 
 
+def _source_name(_inst: Any, _attr: attrs.Attribute, value: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value or ""):
+        raise ValueError(f"name: {value!r} must be letters, digits, '_', '.' or '-' (it names the source's metrics, "
+                         f"reward/<name>/mean)")
+
+
+@attrs.define(kw_only=True)
+class SourceConfig:
+    """One ``[[orchestrator.sources]]`` entry: an environment whose tasks train in every
+    batch, ``ratio`` of it (the ratios are of samples). ``env`` is an ``[env]`` table:
+    its ``name`` and that env's own options."""
+
+    name: str = attrs.field(validator=_source_name)  # names its metrics: reward/<name>/mean
+    env: EnvConfig = attrs.field(factory=lambda: EnvConfig())  # the env and its options, as [env] takes them
+    ratio: float = attrs.field(default=1.0, validator=_positive)  # its share of every batch's samples
+    group_size: int = attrs.field(default=0, validator=_non_negative)  # samples per task; 0: orchestrator.group_size
+    advantage: str = ""  # its advantage estimator; "": orchestrator.advantage
+
+
+@attrs.define(kw_only=True)
+class EvalSourceConfig:
+    """One ``[[orchestrator.eval_sources]]`` entry: an environment evaluated on its own
+    interval (each of its first ``tasks`` eval tasks once, at ``orchestrator.eval_temperature``),
+    logged as ``eval/<name>/reward/mean``."""
+
+    name: str = attrs.field(validator=_source_name)
+    env: EnvConfig = attrs.field(factory=lambda: EnvConfig())
+    every: int = attrs.field(default=10, validator=_positive)  # batches between its evaluations
+    tasks: int = attrs.field(default=64, validator=_positive)
+    split: str = "eval"  # the env's task split it evaluates
+
+
 @attrs.define(kw_only=True)
 class OrchestratorConfig:
     """The ``[orchestrator]`` section: rollouts, advantages, batches, staleness."""
@@ -377,6 +410,27 @@ class OrchestratorConfig:
     eval_tasks: int = attrs.field(default=64, validator=_positive)  # evaluate the eval split's first this many tasks
     # sampling temperature of evaluations (0 = greedy)
     eval_temperature: float = attrs.field(default=0.0, validator=_non_negative)
+    # several environments trained together ([[orchestrator.sources]]: name, env, ratio,
+    # group_size, advantage), mixed in every batch by ratio; empty: [env] alone (--env is
+    # the short form of one source)
+    sources: list[SourceConfig] = attrs.Factory(list)
+    # environments evaluated on their own interval ([[orchestrator.eval_sources]]: name,
+    # env, every, tasks, split)
+    eval_sources: list[EvalSourceConfig] = attrs.Factory(list)
+
+    def train_sources(self, env: EnvConfig) -> list[SourceConfig]:
+        """The sources the run trains on, each with its group size and advantage resolved
+        (``env``: the run's ``[env]``, the one source when none are listed)."""
+        listed = self.sources or [SourceConfig(name=env.name, env=env)]
+        return [attrs.evolve(s, group_size=s.group_size or self.group_size, advantage=s.advantage or self.advantage)
+                for s in listed]
+
+    def groups_per_batch(self, env: EnvConfig) -> dict[str, int]:
+        """Each source's groups in every batch: its ratio of ``batch_size`` samples, in whole
+        groups (the sum must be exactly ``batch_size``: checked at config time)."""
+        srcs = self.train_sources(env)
+        total = sum(s.ratio for s in srcs)
+        return {s.name: max(1, round(self.batch_size * s.ratio / total / s.group_size)) for s in srcs}
 
 
 @attrs.define(kw_only=True)
@@ -446,7 +500,19 @@ class RunConfig:
     def check(self, sources: Mapping[str, str]) -> None:
         """Rules that span fields; each error names the keys involved."""
         o = self.orchestrator
-        if o.batch_size % o.group_size:
+        if o.sources:
+            srcs = o.train_sources(self.env)
+            names = [s.name for s in srcs]
+            if len(set(names)) < len(names):
+                raise ConfigError(f"orchestrator.sources: names {names} repeat; give each source its own name")
+            quotas = o.groups_per_batch(self.env)
+            got = sum(quotas[s.name] * s.group_size for s in srcs)
+            if got != o.batch_size:
+                parts = ", ".join(f"{s.name}: {quotas[s.name]} groups of {s.group_size}" for s in srcs)
+                raise ConfigError(f"orchestrator.sources: their ratios split orchestrator.batch_size "
+                                  f"({o.batch_size}) into {parts} = {got} samples; choose batch_size, ratios and "
+                                  f"group sizes that give whole groups summing to batch_size")
+        elif o.batch_size % o.group_size:
             raise ConfigError(
                 f"orchestrator.batch_size ({o.batch_size}, {_src(sources, 'orchestrator.batch_size')}) "
                 f"must be a multiple of orchestrator.group_size ({o.group_size}, "
@@ -736,6 +802,13 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
 
     raw, sources = build_raw(src, explicit)
     reg = registry or get_registry()
+    listed = _take_sources(raw, sources)
+    if listed["sources"]:  # the first source's env is the run's [env] (its run defaults, the SFT warm-up)
+        first = _source_env(listed["sources"][0], "orchestrator.sources[0]", sources, reg)[0]
+        if "env" in raw and raw["env"] != first:  # (a written config.toml holds both)
+            raise ConfigError(f"[env] ({_src(sources, 'env.name')}) and [[orchestrator.sources]] both say what to train "
+                              f"on: list every environment as a source, or give [env] (--env) alone")
+        raw["env"] = _source_env(listed["sources"][0], "orchestrator.sources[0]", sources, reg)[0]
     plugin_sections = {"model": "model", "env": "env"}
     plugin_classes: dict[str, type] = {}
     for section, kind in plugin_sections.items():
@@ -787,12 +860,56 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
         setattr(cfg, section, structure(cls, raw.get(section, {}), section, sources))
     cfg.inference = structure(inference_cls, raw.get("inference", {}), "inference", sources)
     cfg.launcher = structure(launcher_cls, raw.get("launcher", {}), "launcher", sources)
+    cfg.orchestrator.sources = [_structure_source(SourceConfig, t, f"orchestrator.sources[{i}]", sources, reg)
+                                for i, t in enumerate(listed["sources"])]
+    cfg.orchestrator.eval_sources = [
+        _structure_source(EvalSourceConfig, t, f"orchestrator.eval_sources[{i}]", sources, reg)
+        for i, t in enumerate(listed["eval_sources"])]
     cfg.check(sources)
     _check_model(cfg, reg, sources)
     _check_components(cfg, reg, sources)
     _check_pd(cfg, sources)
     cfg.inference.check(cfg, sources)  # the backend's rules that need the whole run
     return cfg
+
+
+def _take_sources(raw: dict[str, Any], sources: Mapping[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """``orchestrator.sources`` and ``eval_sources`` out of ``raw`` (each entry's ``env`` is
+    checked by its own env's Config, not by the orchestrator section's types)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    orch = raw.get("orchestrator")
+    for key in ("sources", "eval_sources"):
+        value = orch.pop(key, []) if isinstance(orch, dict) else []
+        if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+            raise ConfigError(f"orchestrator.{key} ({_src(sources, 'orchestrator.' + key)}) must be a list of tables "
+                              f"([[orchestrator.{key}]] entries)")
+        out[key] = [dict(t) for t in value]
+    return out
+
+
+def _source_env(table: dict[str, Any], path: str, sources: Mapping[str, str], reg: Any) -> tuple[dict, type]:
+    """A source entry's ``env`` table (``env = "wordle"`` is ``{name = "wordle"}``) and the
+    Config class of the env it names."""
+    env = table.get("env", {})
+    if isinstance(env, str):  # env = "wordle": the env's defaults
+        env = {"name": env}
+    if not isinstance(env, Mapping) or not isinstance(env.get("name"), str):
+        raise ConfigError(f"{path}.env ({_src(sources, path + '.env')}) must be a table with the env's name, "
+                          f"e.g. env = {{name = \"wordle\"}}")
+    try:
+        target = reg.load("env", env["name"])
+    except PluginError as exc:
+        raise ConfigError(f"{path}.env.name = {env['name']!r} ({_src(sources, path + '.env.name')}): {exc}") from None
+    return dict(env), getattr(target, "Config", None) or EnvConfig
+
+
+def _structure_source(cls: type, table: dict[str, Any], path: str, sources: Mapping[str, str], reg: Any) -> Any:
+    """One source entry, its ``env`` table checked by that env plugin's Config."""
+    env, env_cls = _source_env(table, path, sources, reg)
+    rest = {k: v for k, v in table.items() if k != "env"}
+    out = structure(cls, {**rest, "name": table.get("name", env["name"])}, path, sources)
+    out.env = structure(env_cls, env, f"{path}.env", sources)
+    return out
 
 
 def _inference_config_class(raw: Mapping[str, Any], sources: Mapping[str, str], reg: Any) -> type:
@@ -949,6 +1066,8 @@ def dump_toml(data: Mapping[str, Any]) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list | tuple):
             return "[" + ", ".join(scalar(x) for x in v) + "]"
+        if isinstance(v, Mapping):  # an inline table (entries of a list of tables: orchestrator.sources)
+            return "{" + ", ".join(f"{k} = {scalar(x)}" for k, x in v.items() if x is not None) + "}"
         raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
     def table(d: Mapping[str, Any], name: str) -> None:

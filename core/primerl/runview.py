@@ -43,7 +43,7 @@ class LiveView:
     def __enter__(self) -> LiveView:
         if self.live:
             self.live.start()
-        self.console.print(f"primerl run: model {self.cfg.model.name}, env {self.cfg.env.name}, "
+        self.console.print(f"primerl run: model {self.cfg.model.name}, env {self._envs()}, "
                            f"{self.cfg.max_steps} steps -> {self.run_dir.root}")
         return self
 
@@ -67,6 +67,9 @@ class LiveView:
                 self.console.print(self._line(r), highlight=False)
             self.printed = len(rows)
 
+    def _envs(self) -> str:
+        return " + ".join(s.name for s in self.cfg.orchestrator.sources) or self.cfg.env.name
+
     def _eta(self, rows: list[dict[str, Any]]) -> str:
         if not rows:
             return "-"
@@ -75,24 +78,31 @@ class LiveView:
         return f"{per_step * (self.cfg.max_steps - step):.0f}s"
 
     def _line(self, r: dict[str, Any]) -> str:
-        return (f"step {r['step']:>4}/{self.cfg.max_steps}  reward {r.get('reward/mean', 0):.3f}  "
+        return (f"step {r['step']:>4}/{self.cfg.max_steps}  reward {r.get('reward/mean', 0):.3f}{_per_source(r)}  "
                 f"tok/s {r.get('throughput/tokens_per_s', 0):.0f}  staleness {r.get('off_policy/max', 0)}  "
                 f"dropped {r.get('dropped_stale', 0)}  failed {_failed(r)}  mismatch_kl {r.get('mismatch_kl', 0):.2e}  "
                 f"step {r.get('time/step', 0):.2f}s"
                 + (f"  eval {r['eval/reward/mean']:.3f} (v{r['eval/policy_version']})" if "eval/reward/mean" in r else ""))
 
     def _table(self, rows: list[dict[str, Any]]) -> Table:
-        t = Table(title=f"primerl: {self.cfg.model.name} on {self.cfg.env.name}  ({time.monotonic() - self.t0:.0f}s)")
+        t = Table(title=f"primerl: {self.cfg.model.name} on {self._envs()}  ({time.monotonic() - self.t0:.0f}s)")
         for col in ("step", "reward", "tokens/s", "staleness", "dropped", "failed", "mismatch KL", "step time", "ETA"):
             t.add_column(col, justify="right")
         for r in rows[-8:]:
-            t.add_row(f"{r['step']}/{self.cfg.max_steps}", f"{r.get('reward/mean', 0):.3f}",
+            t.add_row(f"{r['step']}/{self.cfg.max_steps}", f"{r.get('reward/mean', 0):.3f}{_per_source(r)}",
                       f"{r.get('throughput/tokens_per_s', 0):.0f}", str(r.get("off_policy/max", 0)),
                       str(r.get("dropped_stale", 0)), str(_failed(r)), f"{r.get('mismatch_kl', 0):.2e}",
                       f"{r.get('time/step', 0):.2f}s", self._eta(rows))
         if not rows:
             t.add_row("starting", "", "", "", "", "", "", "", "")
         return t
+
+
+def _per_source(r: dict[str, Any]) -> str:
+    """Each source's mean reward in a run of several (``reward/<name>/mean``), else nothing."""
+    parts = [f"{k[len('reward/'):-len('/mean')]} {v:.3f}" for k, v in r.items()
+             if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _failed(r: dict[str, Any]) -> int:

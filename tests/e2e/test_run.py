@@ -347,3 +347,21 @@ def test_a_mooncake_run_gets_its_master_from_the_launcher(tmp_path):
     assert runtime["kv_store_options"]["master"].startswith("127.0.0.1:") and len(runtime["inference_urls"]) == 2
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert (out / "logs" / "mooncake.log").exists()
+
+
+def test_two_sources_train_together_by_ratio_with_their_own_metrics_and_evaluations(tmp_path):
+    """examples/mixed.toml cut short: reverse-text and wordle at 3:1 in every batch, each
+    source's reward in metrics.jsonl, the eval source evaluated on its own interval."""
+    config = tmp_path / "mixed.toml"
+    config.write_text((Path(__file__).parents[2] / "examples" / "mixed.toml").read_text()
+                      .replace("every = 20", "every = 1").replace("tasks = 16", "tasks = 4"))
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "@", str(config),
+                        "--max-steps", "3", "--sft.steps", "0", "--orchestrator.max_tokens", "8",
+                        "--output-dir", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["samples/reverse"], row["samples/wordle"]) for row in rows] == [(48, 16)] * 3
+    assert all(0 <= row["reward/reverse/mean"] <= 1 and 0 <= row["reward/wordle/mean"] <= 1 for row in rows)
+    assert any("eval/wordle/reward/mean" in row for row in rows[1:])  # after batch 1 (and 2), with a later batch
+    assert "reward 0." in r.stdout and "(reverse 0." in r.stdout  # the live view shows each source's reward

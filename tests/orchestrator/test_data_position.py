@@ -8,7 +8,7 @@ import json
 from primerl.config import ConfigSources, load_config
 from primerl.envs import Task
 from primerl.orchestrator import main as orchestrator
-from primerl.orchestrator.main import DataPosition, Group, Orchestrator
+from primerl.orchestrator.main import DataPosition, Group, Orchestrator, SourcePosition
 from primerl.rundir import ORCHESTRATOR_STATE, RunDir
 from primerl.samples import Sample, read_batch
 
@@ -29,7 +29,7 @@ def make(tmp_path, **orch):
 
 def finished_group(draw, task_id):
     g = Group(task=Task(id=task_id, prompt="abc", answer="cba"), start_version=0, size=2, temperature=1.0,
-              draw=draw)
+              draw=draw, source="reverse-text")
     for r in (0.0, 1.0):
         g.samples.append(Sample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0],
                                 versions=[-1, 0, 0], reward=r, task_id=task_id))
@@ -38,33 +38,36 @@ def finished_group(draw, task_id):
 
 def test_each_batch_records_the_draws_and_the_unbatched_tasks_before_it_is_written(tmp_path):
     orch = make(tmp_path, max_off_policy_steps=2, async_level=1)
-    draws = list(itertools.islice(orch._draws(), 5))
+    (src,) = orch.sources
+    draws = list(itertools.islice(src.draws(), 5))
     # five drawn: 0 and 1 finished first (batch 1), 2 is in flight, 3 finished and waits, 4 failed
-    orch.drawn = 5
-    orch.pending = {i: t for i, t in draws[:4]}
+    src.drawn = 5
+    src.pending = {i: t for i, t in draws[:4]}
     for i in (1, 0, 3):
-        orch.finished.put_nowait(finished_group(i, draws[i][1].id))
+        src.finished.put_nowait(finished_group(i, draws[i][1].id))
     orch.cfg.max_steps = 1
     asyncio.run(orch.write_batches())
     run = RunDir(tmp_path)
     record = json.loads(run.batch_state(1).read_text())
-    assert record == {"format": "primerl.orchestrator_state", "version": 1, "step": 1, "drawn": 5,
-                      "pending": [[2, draws[2][1].id], [3, draws[3][1].id]], "batch": [1, 0]}
+    assert record == {"format": "primerl.orchestrator_state", "version": 2, "step": 1,
+                      "sources": {"reverse-text": {"drawn": 5, "pending": [[2, draws[2][1].id], [3, draws[3][1].id]]}},
+                      "batch": {"reverse-text": [1, 0]}}
     assert sorted({s.task_id for s in read_batch(run.batch(1)).samples}) == sorted([draws[0][1].id, draws[1][1].id])
 
 
 def test_a_resumed_orchestrator_starts_the_unbatched_tasks_then_continues_the_draws(tmp_path, monkeypatch):
-    reference = list(itertools.islice(make(tmp_path / "ref")._draws(), 40))
+    reference = list(itertools.islice(make(tmp_path / "ref").sources[0].draws(), 40))
     run = RunDir(tmp_path / "run")
     ckpt = run.checkpoint(3)
     ckpt.mkdir(parents=True)
-    position = DataPosition(step=3, drawn=30, pending=((27, reference[27][1].id), (29, reference[29][1].id)))
-    (ckpt / ORCHESTRATOR_STATE).write_text(json.dumps(position.record(batch=[25, 26])))
+    position = DataPosition(step=3, sources={"reverse-text": SourcePosition(
+        drawn=30, pending=((27, reference[27][1].id), (29, reference[29][1].id)))})
+    (ckpt / ORCHESTRATOR_STATE).write_text(json.dumps(position.record(batch={"reverse-text": [25, 26]})))
     # the trainer's choice of checkpoint, made alike (primerl.resume.usable_checkpoint)
     monkeypatch.setattr(orchestrator, "usable_checkpoint", lambda run_dir, log=None: (3, ckpt))
     orch = make(tmp_path / "run", async_level=1)
-    assert orch.resume_step == 3 and orch.started == 3 * orch.groups_per_batch and orch.drawn == 30
-    resumed = [(i, t.id) for i, t in itertools.islice(orch.tasks, 4)]
+    assert orch.resume_step == 3 and orch.started == 3 * orch.groups_per_batch and orch.sources[0].drawn == 30
+    resumed = [(i, t.id) for i, t in itertools.islice(orch.sources[0].tasks, 4)]
     assert resumed == [(27, reference[27][1].id), (29, reference[29][1].id),
                        (30, reference[30][1].id), (31, reference[31][1].id)]
     orch.version = 2  # an older version is served: nothing starts before v3, the checkpoint's
@@ -74,11 +77,11 @@ def test_a_resumed_orchestrator_starts_the_unbatched_tasks_then_continues_the_dr
 
 
 def test_a_checkpoint_without_a_position_continues_from_the_estimate(tmp_path, monkeypatch, capsys):
-    reference = list(itertools.islice(make(tmp_path / "ref")._draws(), 20))
+    reference = list(itertools.islice(make(tmp_path / "ref").sources[0].draws(), 20))
     run = RunDir(tmp_path / "run")
     run.checkpoint(2).mkdir(parents=True)
     monkeypatch.setattr(orchestrator, "usable_checkpoint", lambda run_dir, log=None: (2, run.checkpoint(2)))
     orch = make(tmp_path / "run")
     assert "has no data position" in capsys.readouterr().out
-    assert [i for i, _ in itertools.islice(orch.tasks, 2)] == [4, 5]  # 2 batches x 2 groups
-    assert next(orch.tasks)[1].id == reference[6][1].id
+    assert [i for i, _ in itertools.islice(orch.sources[0].tasks, 2)] == [4, 5]  # 2 batches x 2 groups
+    assert next(orch.sources[0].tasks)[1].id == reference[6][1].id

@@ -63,4 +63,4 @@ def test_an_env_worker_killed_mid_episode_costs_its_group_counted(tmp_path, monk
     assert batch.metrics["errors/rollout"] == 1 and batch.metrics["errors/task"] == 0
     assert len(batch.samples) == 4 and all(s.reward == 1.0 for s in batch.samples)
     assert killed_task not in {s.task_id for s in batch.samples}  # its group was dropped, another took its place
-    assert orch.workers.replaced >= 1
+    assert orch.sources[0].workers.replaced >= 1

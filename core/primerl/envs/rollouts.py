@@ -66,6 +66,7 @@ class RolloutContext:
     cfg: Any  # the RunConfig
     env: Any  # the Environment
     client: RolloutClient
+    env_cfg: Any = None  # the env's config (its source's, in a run of several; else cfg.env)
     workers: Any = None  # EnvWorkers: the env's worker processes (multi-turn and agent envs)
     tokenizer: Any = None  # the model's tokenizer (multi-turn envs append the env's turns as tokens)
     scorer: ThreadPoolExecutor | None = None  # single-turn rewards, overlapped
@@ -135,7 +136,7 @@ class MultiTurn:
         self.ctx = ctx
 
     async def run(self, group: GroupLike) -> None:
-        env_cfg = self.ctx.cfg.env
+        env_cfg = self.ctx.env_cfg or self.ctx.cfg.env
         timeout = env_cfg.episode_timeout_s if isinstance(env_cfg, MultiTurnConfig) else None
         jobs = [asyncio.create_task(self.episode(group.task, f"{group.session}-{i}", group.temperature))
                 for i in range(group.size)]
@@ -160,7 +161,7 @@ class MultiTurn:
         token sequence, env turns from the env workers, appended as tokens."""
         ctx = self.ctx
         o, env, tok, workers = ctx.cfg.orchestrator, ctx.env, ctx.tokenizer, ctx.workers
-        env_cfg: MultiTurnConfig = ctx.cfg.env
+        env_cfg: MultiTurnConfig = ctx.env_cfg or ctx.cfg.env
         turn_timeout = env_cfg.turn_timeout_s
         max_len = ctx.cfg.inference.max_model_len
         state = await workers.call("setup", task, timeout=turn_timeout)
@@ -225,7 +226,8 @@ class Agent:
 
     async def run(self, group: GroupLike) -> None:
         ctx, o = self.ctx, self.ctx.cfg.orchestrator
-        timeout = ctx.cfg.env.episode_timeout_s if isinstance(ctx.cfg.env, AgentConfig) else None
+        env_cfg = ctx.env_cfg or ctx.cfg.env
+        timeout = env_cfg.episode_timeout_s if isinstance(env_cfg, AgentConfig) else None
         while True:
             url, token = await ctx.client.endpoint(group.session)
             endpoint = Endpoint(

@@ -64,7 +64,7 @@ import attrs
 
 from primerl import watchdog
 from primerl.advantages import compute_advantages
-from primerl.config import RunConfig
+from primerl.config import EnvConfig, EvalSourceConfig, RunConfig, SourceConfig
 from primerl.envs import Environment, Task, TaskError
 from primerl.envs.rollouts import RolloutContext
 from primerl.envs.workers import EnvWorkers
@@ -77,7 +77,7 @@ from primerl.rundir import ORCHESTRATOR_STATE, RunDir, step_name, write_atomical
 from primerl.samples import RolloutBatch, Sample, write_batch
 
 POSITION_FORMAT = "primerl.orchestrator_state"  # rollouts/step_n.state.json, checkpoints/step_n/orchestrator_state.json
-POSITION_VERSION = 1
+POSITION_VERSION = 2  # 2: a position per source; 1 (read too): the one source's at the top level
 
 
 def log(msg: str) -> None:
@@ -98,6 +98,7 @@ class Group:
     env_metrics: list[dict[str, float]] = attrs.Factory(list)  # an agent env's, one dict per episode
     session: str = attrs.Factory(lambda: f"group-{next(_GROUP_IDS)}")  # keeps the group on one server
     draw: int | None = None  # its task's number in the run's draws (None: not drawn, e.g. evaluation)
+    source: str = ""  # the source it trains for (orchestrator.sources; the [env]'s name alone)
 
     @property
     def oldest_version(self) -> int:
@@ -113,25 +114,37 @@ class RunFailed(Exception):
 
 
 @attrs.frozen
-class DataPosition:
-    """Where the task draws stood once batch ``step`` was written."""
+class SourcePosition:
+    """Where one source's task draws stood."""
 
-    step: int
     drawn: int  # tasks drawn so far
     pending: tuple[tuple[int, str], ...] = ()  # (draw, task id) of drawn tasks in no batch yet
 
-    def record(self, batch: list[int]) -> dict[str, Any]:
-        """The JSON object written next to the batch (``batch``: its groups' draws)."""
-        return {"format": POSITION_FORMAT, "version": POSITION_VERSION, "step": self.step, "drawn": self.drawn,
-                "pending": [list(p) for p in self.pending], "batch": batch}
+
+@attrs.frozen
+class DataPosition:
+    """Where every source's task draws stood once batch ``step`` was written."""
+
+    step: int
+    sources: dict[str, SourcePosition]
+
+    def record(self, batch: dict[str, list[int]]) -> dict[str, Any]:
+        """The JSON object written next to the batch (``batch``: each source's groups' draws)."""
+        return {"format": POSITION_FORMAT, "version": POSITION_VERSION, "step": self.step,
+                "sources": {name: {"drawn": p.drawn, "pending": [list(x) for x in p.pending]}
+                            for name, p in self.sources.items()},
+                "batch": batch}
 
     @classmethod
-    def read(cls, path: Any) -> DataPosition:
+    def read(cls, path: Any, first: str) -> DataPosition:
+        """``first``: the run's first source, whose position a version 1 file holds."""
         data = json.loads(Path(path).read_text())
-        if not isinstance(data, dict) or data.get("format") != POSITION_FORMAT or data.get("version", 0) > 1:
-            raise ValueError(f"{path} is not an orchestrator state of format version {POSITION_VERSION}")
-        return cls(step=int(data["step"]), drawn=int(data["drawn"]),
-                   pending=tuple((int(i), str(t)) for i, t in data["pending"]))
+        if not isinstance(data, dict) or data.get("format") != POSITION_FORMAT or data.get("version", 0) > 2:
+            raise ValueError(f"{path} is not an orchestrator state of format version {POSITION_VERSION} or older")
+        listed = data.get("sources", {first: data})
+        return cls(step=int(data["step"]), sources={
+            name: SourcePosition(drawn=int(p["drawn"]), pending=tuple((int(i), str(t)) for i, t in p["pending"]))
+            for name, p in listed.items()})
 
 
 class Failures:
@@ -176,67 +189,31 @@ class Failures:
         return out
 
 
-class Orchestrator:
-    def __init__(self, cfg: RunConfig, env: Environment, client: Client):
-        self.cfg = cfg
-        self.o = cfg.orchestrator
-        self.env = env
-        self.client = client
-        self.run_dir = RunDir(cfg.output_dir)
-        self.groups_per_batch = self.o.batch_size // self.o.group_size
-        self.version = -1  # newest version loaded into inference (-1: none yet)
-        self.finished: asyncio.Queue[Group] = asyncio.Queue()
-        self.batching: list[Group] = []  # the groups of the batch being filled
-        self.in_flight: dict[asyncio.Task, Group] = {}
-        self.tokens_since_batch = 0
-        self.version_changed = asyncio.Event()
-        self.failures = Failures(self.o.max_failed_groups)
-        self.broken: asyncio.Future[str] | None = None  # set with the cause when the env cannot run its tasks
-        # resuming: the trainer continues from the same checkpoint (the same choice, made alike)
-        found = usable_checkpoint(self.run_dir, log=log)
-        self.resume_step = found[0] if found is not None else 0
-        position = self._read_position(self.resume_step) if found is not None else None
-        self.drawn = position.drawn if position is not None else 0
-        self.pending: dict[int, Task] = {}  # drawn tasks in no batch yet, by draw
-        self.batches_written = self.resume_step  # batches before a resume included
-        self.tasks = self._task_stream(position)
-        self.eval_tasks: list[Task] = []  # the eval split's first eval_tasks tasks, read at start when eval_every
-        self.eval_results: list[dict[str, float]] = []  # finished evaluations, logged with the next batch
-        self.evaluations: set[asyncio.Task] = set()
-        # rewards may call slow verifiers; one thread per in-flight sample keeps them overlapped
-        self.scorer = ThreadPoolExecutor(max_workers=max(self.o.max_concurrent, self.o.group_size),
-                                         thread_name_prefix="score")
-        # the engine's routed experts travel with each sample for R3 and the routing metrics
-        self.want_routed = cfg.trainer.router_replay or cfg.trainer.routing_metrics
-        self.closing = False
-        if not env.rollout:
-            raise PrimerlError(f"environment '{cfg.env.name}' ({type(env).__name__}) has no rollout kind: subclass "
-                               "primerl.envs.SingleTurnEnv, primerl.envs.multiturn.MultiTurnEnv or "
-                               "primerl.envs.agent.AgentEnv")
-        kind = load_target(env.rollout)
-        # multi-turn and agent envs run in worker processes; appending env turns needs the tokenizer
-        self.workers = EnvWorkers(type(env), cfg.env, self.o.env_workers) if kind.uses_workers else None
-        if self.workers is not None:
-            watchdog.add_children_source(self.workers.pids)
-        self.tokenizer = (get_registry().load("model", cfg.model.name)().tokenizer(cfg.model)
-                          if kind.needs_tokenizer else None)
-        self.kind = kind(RolloutContext(cfg=cfg, env=env, client=client, workers=self.workers,
-                                        tokenizer=self.tokenizer, scorer=self.scorer, want_routed=self.want_routed,
-                                        closing=lambda: self.closing))
+@attrs.define(eq=False)
+class Source:
+    """One environment the run trains on (``orchestrator.sources``, or ``[env]`` alone): its
+    env, rollout kind and workers, its own task draws and their position, and its share of
+    every batch (``quota`` groups of ``group_size``)."""
+
+    cfg: SourceConfig
+    env: Environment
+    kind: Any  # its rollout kind (primerl.envs.rollouts), built over its own RolloutContext
+    workers: EnvWorkers | None
+    quota: int  # groups in every batch
+    seed: Any  # shuffles its train split, each epoch
+    finished: asyncio.Queue = attrs.Factory(asyncio.Queue)  # its finished groups, not in a batch yet
+    batching: list[Group] = attrs.Factory(list)  # its groups of the batch being filled
+    pending: dict[int, Task] = attrs.Factory(dict)  # drawn tasks in no batch yet, by draw
+    drawn: int = 0
+    tasks: Iterator[tuple[int, Task]] | None = None
 
     @property
-    def started(self) -> int:
-        """Groups that count toward the batches generation may run ahead to: those of written
-        batches (a resume's included), of the batch being filled, finished ones waiting, and
-        those in flight. A group dropped as stale, cancelled or failed no longer counts: a
-        fresh group takes its place."""
-        in_flight = sum(1 for g in self.in_flight.values() if not g.cancelled)
-        return (self.batches_written * self.groups_per_batch + len(self.batching) + self.finished.qsize()
-                + in_flight)
+    def name(self) -> str:
+        return self.cfg.name
 
-    def _draws(self) -> Iterator[tuple[int, Task]]:
-        """Every task the run draws, numbered: the train split, reshuffled each epoch."""
-        rng = random.Random(self.cfg.seed)
+    def draws(self) -> Iterator[tuple[int, Task]]:
+        """Every task it draws, numbered: its train split, reshuffled each epoch."""
+        rng = random.Random(self.seed)
         tasks = list(self.env.tasks("train"))
         if not tasks:
             raise ValueError(f"environment '{self.cfg.env.name}' has no train tasks")
@@ -245,17 +222,100 @@ class Orchestrator:
                 rng.shuffle(tasks)
             yield i, tasks[i % len(tasks)]
 
-    def _task_stream(self, position: DataPosition | None) -> Iterator[tuple[int, Task]]:
+    def task_stream(self, position: SourcePosition | None) -> Iterator[tuple[int, Task]]:
         """The draws from ``position`` on: its unbatched tasks first, then the draws after it."""
-        draws = self._draws()
+        draws = self.draws()
         if position is not None:
             wanted = dict(position.pending)
             restored = [(i, task) for i, task in itertools.islice(draws, position.drawn) if i in wanted]
             if [(i, task.id) for i, task in restored] != list(position.pending):
-                log("warning: the env's train tasks are not those of the run being resumed (the recorded draws "
-                    "name other tasks): the task order cannot continue exactly")
+                log(f"warning: the train tasks of source {self.name!r} are not those of the run being resumed (the "
+                    f"recorded draws name other tasks): the task order cannot continue exactly")
             yield from restored
         yield from draws
+
+
+class Orchestrator:
+    def __init__(self, cfg: RunConfig, env: Environment, client: Client):
+        self.cfg = cfg
+        self.o = cfg.orchestrator
+        self.client = client
+        self.run_dir = RunDir(cfg.output_dir)
+        self.version = -1  # newest version loaded into inference (-1: none yet)
+        self.in_flight: dict[asyncio.Task, Group] = {}
+        self.tokens_since_batch = 0
+        self.version_changed = asyncio.Event()
+        self.failures = Failures(self.o.max_failed_groups)
+        self.broken: asyncio.Future[str] | None = None  # set with the cause when the env cannot run its tasks
+        # rewards may call slow verifiers; one thread per in-flight sample keeps them overlapped
+        self.scorer = ThreadPoolExecutor(max_workers=max(self.o.max_concurrent, self.o.group_size),
+                                         thread_name_prefix="score")
+        # the engine's routed experts travel with each sample for R3 and the routing metrics
+        self.want_routed = cfg.trainer.router_replay or cfg.trainer.routing_metrics
+        self.closing = False
+        self.tokenizer: Any = None
+        listed = self.o.train_sources(cfg.env)
+        quotas = self.o.groups_per_batch(cfg.env)
+        self.sources: list[Source] = []
+        for i, sc in enumerate(listed):
+            env_i = env if i == 0 else get_registry().load("env", sc.env.name)(sc.env)
+            kind, workers = self._rollout_kind(env_i, sc.env)
+            seed = cfg.seed if len(listed) == 1 else f"{cfg.seed}/{sc.name}"
+            self.sources.append(Source(cfg=sc, env=env_i, kind=kind, workers=workers, quota=quotas[sc.name],
+                                       seed=seed))
+        self.by_name = {src.name: src for src in self.sources}
+        self.groups_per_batch = sum(src.quota for src in self.sources)
+        self.eval_sources: list[tuple[EvalSourceConfig, Environment, Any, EnvWorkers | None]] = []
+        for ec in self.o.eval_sources:
+            env_e = get_registry().load("env", ec.env.name)(ec.env)
+            self.eval_sources.append((ec, env_e, *self._rollout_kind(env_e, ec.env)))
+        # resuming: the trainer continues from the same checkpoint (the same choice, made alike)
+        found = usable_checkpoint(self.run_dir, log=log)
+        self.resume_step = found[0] if found is not None else 0
+        position = self._read_position(self.resume_step) if found is not None else None
+        for src in self.sources:
+            at = position.sources.get(src.name) if position is not None else None
+            if position is not None and at is None:
+                log(f"source {src.name!r} has no data position in the checkpoint (added since): its draws start over")
+            src.drawn = at.drawn if at is not None else 0
+            src.tasks = src.task_stream(at)
+        self.batches_written = self.resume_step  # batches before a resume included
+        self.eval_tasks: list[Task] = []  # the eval split's first eval_tasks tasks, read at start when eval_every
+        self.eval_results: list[dict[str, float]] = []  # finished evaluations, logged with the next batch
+        self.evaluations: set[asyncio.Task] = set()
+
+    def _rollout_kind(self, env: Environment, env_cfg: EnvConfig) -> tuple[Any, EnvWorkers | None]:
+        """An env's rollout kind, over its own context, and its worker processes if it runs in them."""
+        if not env.rollout:
+            raise PrimerlError(f"environment '{env_cfg.name}' ({type(env).__name__}) has no rollout kind: subclass "
+                               "primerl.envs.SingleTurnEnv, primerl.envs.multiturn.MultiTurnEnv or "
+                               "primerl.envs.agent.AgentEnv")
+        kind = load_target(env.rollout)
+        # multi-turn and agent envs run in worker processes; appending env turns needs the tokenizer
+        workers = EnvWorkers(type(env), env_cfg, self.o.env_workers) if kind.uses_workers else None
+        if workers is not None:
+            watchdog.add_children_source(workers.pids)
+        if kind.needs_tokenizer and self.tokenizer is None:
+            self.tokenizer = get_registry().load("model", self.cfg.model.name)().tokenizer(self.cfg.model)
+        ctx = RolloutContext(cfg=self.cfg, env=env, env_cfg=env_cfg, client=self.client, workers=workers,
+                             tokenizer=self.tokenizer, scorer=self.scorer, want_routed=self.want_routed,
+                             closing=lambda: self.closing)
+        return kind(ctx), workers
+
+    def workers(self) -> list[EnvWorkers]:
+        return [w for w in [*(s.workers for s in self.sources), *(e[3] for e in self.eval_sources)] if w is not None]
+
+    def started_of(self, src: Source) -> int:
+        """Groups of ``src`` that count toward the batches generation may run ahead to: those
+        of written batches (a resume's included), of the batch being filled, finished ones
+        waiting, and those in flight. A group dropped as stale, cancelled or failed no longer
+        counts: a fresh group takes its place."""
+        in_flight = sum(1 for g in self.in_flight.values() if not g.cancelled and g.source == src.name)
+        return self.batches_written * src.quota + len(src.batching) + src.finished.qsize() + in_flight
+
+    @property
+    def started(self) -> int:
+        return sum(self.started_of(src) for src in self.sources)
 
     def _read_position(self, step: int) -> DataPosition:
         """Batch ``step``'s data position: from its checkpoint, else from beside the batch, else
@@ -263,54 +323,71 @@ class Orchestrator:
         for path in (self.run_dir.checkpoint(step) / ORCHESTRATOR_STATE, self.run_dir.batch_state(step)):
             if path.is_file():
                 try:
-                    position = DataPosition.read(path)
+                    position = DataPosition.read(path, first=self.sources[0].name)
                 except (ValueError, KeyError, TypeError) as exc:
                     log(f"warning: {path} is unreadable ({exc})")
                     continue
-                log(f"resuming after batch {step} ({path}): {position.drawn} tasks drawn, "
-                    f"{len(position.pending)} of them in no batch yet, started again first")
+                said = ", ".join(f"{name}: {p.drawn} tasks drawn, {len(p.pending)} of them in no batch yet"
+                                 for name, p in position.sources.items())
+                log(f"resuming after batch {step} ({path}): {said}; those started again first")
                 return position
-        drawn = step * self.groups_per_batch
         log(f"resuming after batch {step}: checkpoints/{step_name(step)} has no data position (an older primerl); "
-            f"the task order continues from draw {drawn}, where it stands when no group failed or was dropped")
-        return DataPosition(step=step, drawn=drawn)
+            f"the task order continues from where it stands when no group failed or was dropped")
+        return DataPosition(step=step, sources={src.name: SourcePosition(drawn=step * src.quota)
+                                                for src in self.sources})
 
-    # ---- evaluation -----------------------------------------------------------------------
     def _eval_tasks(self) -> list[Task]:
-        tasks = list(itertools.islice(self.env.tasks("eval"), self.o.eval_tasks))
+        tasks = list(itertools.islice(self.sources[0].env.tasks("eval"), self.o.eval_tasks))
         if not tasks:
             raise RunFailed(f"environment '{self.cfg.env.name}' has no eval tasks: set orchestrator.eval_every 0")
         return tasks
 
-    async def evaluate(self, after_batch: int) -> None:
-        """Each eval task once, at ``eval_temperature``, with the policy inference serves now.
+    async def evaluate(self, after_batch: int, kind: Any = None, tasks: list[Task] | None = None,
+                       prefix: str = "eval") -> None:
+        """Each eval task once, at ``eval_temperature``, with the policy inference serves now
+        (the first source's env and its eval tasks, or an eval source's: ``kind``, ``tasks``,
+        logged under ``prefix``).
 
         Runs beside training (its requests share the servers with rollouts); its mean
-        reward is logged as ``eval/reward/mean`` with the first batch written after it
+        reward is logged as ``<prefix>/reward/mean`` with the first batch written after it
         ends, together with the policy version it measured."""
+        kind = kind or self.sources[0].kind
+        tasks = self.eval_tasks if tasks is None else tasks
         version, t0 = self.version, time.monotonic()
-        groups = [Group(task=t, start_version=version, size=1, temperature=self.o.eval_temperature)
-                  for t in self.eval_tasks]
-        outcomes = await asyncio.gather(*(self.rollout(g, train=False) for g in groups), return_exceptions=True)
+        groups = [Group(task=t, start_version=version, size=1, temperature=self.o.eval_temperature) for t in tasks]
+        outcomes = await asyncio.gather(*(self.rollout(g, kind, train=False) for g in groups), return_exceptions=True)
         # one episode per task (an agent env's may train as several samples, all with its reward)
         rewards = [g.samples[0].reward for g, o in zip(groups, outcomes) if o is None and g.samples]
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         for exc in errors[:3]:
-            log(f"evaluation after batch {after_batch}: a task failed: {type(exc).__name__}: {exc}")
-        result = {"eval/policy_version": version, "eval/tasks": len(rewards), "eval/errors": len(errors),
-                  "eval/seconds": time.monotonic() - t0}
+            log(f"evaluation ({prefix}) after batch {after_batch}: a task failed: {type(exc).__name__}: {exc}")
+        result = {f"{prefix}/policy_version": version, f"{prefix}/tasks": len(rewards), f"{prefix}/errors": len(errors),
+                  f"{prefix}/seconds": time.monotonic() - t0}
         if rewards:
-            result["eval/reward/mean"] = sum(rewards) / len(rewards)
+            result[f"{prefix}/reward/mean"] = sum(rewards) / len(rewards)
         self.eval_results.append(result)
-        log(f"evaluation of v{version} on {len(rewards)} eval tasks: "
-            + (f"reward {result['eval/reward/mean']:.3f}" if rewards else "no task finished"))
+        log(f"evaluation ({prefix}) of v{version} on {len(rewards)} eval tasks: "
+            + (f"reward {result[f'{prefix}/reward/mean']:.3f}" if rewards else "no task finished"))
 
-    def _start_evaluation(self, after_batch: int) -> None:
-        job = asyncio.create_task(self.evaluate(after_batch))
+    def _start_evaluation(self, after_batch: int, *args: Any) -> None:
+        job = asyncio.create_task(self.evaluate(after_batch, *args))
         self.evaluations.add(job)
         job.add_done_callback(self.evaluations.discard)
 
-    # ---- weights ------------------------------------------------------------------------
+    def _start_due_evaluations(self, n: int) -> None:
+        """The evaluations due after batch ``n`` (none after the last: the run ends there)."""
+        if n >= self.cfg.max_steps:
+            return
+        if self.o.eval_every and n % self.o.eval_every == 0:
+            self._start_evaluation(n)
+        for ec, env, kind, _ in self.eval_sources:
+            if n % ec.every == 0:
+                tasks = list(itertools.islice(env.tasks(ec.split), ec.tasks))
+                if not tasks:
+                    raise RunFailed(f"eval source {ec.name!r} (env '{ec.env.name}') has no {ec.split!r} tasks: set "
+                                    f"its split to one the env has")
+                self._start_evaluation(n, kind, tasks, f"eval/{ec.name}")
+
     async def watch_weights(self) -> None:
         while True:
             newest = self.run_dir.newest_published()
@@ -324,26 +401,35 @@ class Orchestrator:
             await asyncio.sleep(0.05)
 
     # ---- rollouts -------------------------------------------------------------------------
-    def may_start(self) -> bool:
+    def may_start(self, src: Source | None = None) -> bool:
+        """Whether a group of ``src`` (the first source by default) may start now."""
+        src = src or self.sources[0]
         allowed_batches = self.version + 1 + self.o.async_level
-        samples_in_flight = len(self.in_flight) * self.o.group_size
-        return (self.version >= self.resume_step and self.started < allowed_batches * self.groups_per_batch
-                and samples_in_flight + self.o.group_size <= max(self.o.max_concurrent, self.o.group_size))
+        samples_in_flight = sum(g.size for g in self.in_flight.values())
+        size = src.cfg.group_size
+        return (self.version >= self.resume_step and self.started_of(src) < allowed_batches * src.quota
+                and samples_in_flight + size <= max(self.o.max_concurrent, size))
 
     async def start_groups(self) -> None:
         while True:
-            while self.may_start():
-                draw, task = next(self.tasks)
-                if not isinstance(task, Task):
-                    raise TypeError(f"environment '{self.cfg.env.name}' yielded a {type(task).__name__} from its "
-                                    "train split, not a primerl.envs.Task")
-                self.pending[draw] = task
-                self.drawn = max(self.drawn, draw + 1)
-                group = Group(task=task, start_version=self.version, size=self.o.group_size,
-                              temperature=self.o.temperature, draw=draw)
-                job = asyncio.create_task(self.rollout(group))
-                self.in_flight[job] = group
-                job.add_done_callback(self._on_done)
+            started = True
+            while started:  # one group of each source in turn, while any may start
+                started = False
+                for src in self.sources:
+                    if not self.may_start(src):
+                        continue
+                    draw, task = next(src.tasks)
+                    if not isinstance(task, Task):
+                        raise TypeError(f"environment '{src.cfg.env.name}' yielded a {type(task).__name__} from its "
+                                        "train split, not a primerl.envs.Task")
+                    src.pending[draw] = task
+                    src.drawn = max(src.drawn, draw + 1)
+                    group = Group(task=task, start_version=self.version, size=src.cfg.group_size,
+                                  temperature=self.o.temperature, draw=draw, source=src.name)
+                    job = asyncio.create_task(self.rollout(group, src.kind))
+                    self.in_flight[job] = group
+                    job.add_done_callback(self._on_done)
+                    started = True
             self.version_changed.clear()
             try:
                 await asyncio.wait_for(self.version_changed.wait(), timeout=0.05)
@@ -352,16 +438,17 @@ class Orchestrator:
 
     def _on_done(self, job: asyncio.Task) -> None:
         group = self.in_flight.pop(job)
+        src = self.by_name[group.source]
         if job.cancelled():
-            self.pending.pop(group.draw, None)
+            src.pending.pop(group.draw, None)
             return
         exc = job.exception()
         watchdog.advance()  # a group ended (a failed one too: the run is not stuck)
         if exc is None:
             self.failures.succeeded()
-            self.finished.put_nowait(group)
+            src.finished.put_nowait(group)
             return
-        self.pending.pop(group.draw, None)  # a fresh group takes its place
+        src.pending.pop(group.draw, None)  # a fresh group takes its place
         if isinstance(exc, PrimerlError):  # the user's setup is wrong: no other group will fare better
             if self.broken is not None and not self.broken.done():
                 self.broken.set_result(str(exc))
@@ -372,10 +459,10 @@ class Orchestrator:
         if self.failures.hopeless and self.broken is not None and not self.broken.done():
             self.broken.set_result(self.failures.verdict())
 
-    async def rollout(self, group: Group, train: bool = True) -> None:
-        """Fill ``group.samples`` with the env's rollout kind; ``train`` False (evaluation)
-        leaves the throughput count alone."""
-        await self.kind.run(group)
+    async def rollout(self, group: Group, kind: Any, train: bool = True) -> None:
+        """Fill ``group.samples`` with ``kind`` (its source's rollout kind); ``train`` False
+        (evaluation) leaves the throughput count alone."""
+        await kind.run(group)
         if train:
             self.tokens_since_batch += group.tokens
 
@@ -383,25 +470,29 @@ class Orchestrator:
     async def write_batches(self) -> None:
         last = time.monotonic()
         for n in range(self.resume_step + 1, self.cfg.max_steps + 1):
-            groups = self.batching
             dropped = 0
-            while len(groups) < self.groups_per_batch:
-                watchdog.doing(f"filling batch {n}: {len(groups)} of {self.groups_per_batch} groups")
-                group = await self.finished.get()
-                staleness = (n - 1) - group.oldest_version
-                self.pending.pop(group.draw, None)
-                if staleness > self.o.max_off_policy_steps:
-                    dropped += len(group.samples)  # a fresh group takes its place
-                    continue
-                groups.append(group)
+            for src in self.sources:  # each its quota of groups, the first of them to finish
+                while len(src.batching) < src.quota:
+                    watchdog.doing(f"filling batch {n}: {len(src.batching)} of {src.quota} groups of {src.name}")
+                    group = await src.finished.get()
+                    staleness = (n - 1) - group.oldest_version
+                    src.pending.pop(group.draw, None)
+                    if staleness > self.o.max_off_policy_steps:
+                        dropped += len(group.samples)  # a fresh group takes its place
+                        continue
+                    src.batching.append(group)
+            groups = [g for src in self.sources for g in src.batching]
             self.cancel_hopeless(n + 1)
-            position = DataPosition(step=n, drawn=self.drawn,
-                                    pending=tuple((i, t.id) for i, t in sorted(self.pending.items())))
+            position = DataPosition(step=n, sources={
+                src.name: SourcePosition(drawn=src.drawn,
+                                         pending=tuple((i, t.id) for i, t in sorted(src.pending.items())))
+                for src in self.sources})
             samples: list[Sample] = []
             for g in groups:
                 # one advantage per episode (an agent env's episode may train as several samples)
                 episodes = {s.episode if s.episode is not None else i: s.reward for i, s in enumerate(g.samples)}
-                advantage = dict(zip(episodes, compute_advantages(list(episodes.values()), self.o.advantage)))
+                estimator = self.by_name[g.source].cfg.advantage
+                advantage = dict(zip(episodes, compute_advantages(list(episodes.values()), estimator)))
                 for i, s in enumerate(g.samples):
                     s.advantage = float(advantage[s.episode if s.episode is not None else i])
                     samples.append(s)
@@ -424,6 +515,11 @@ class Orchestrator:
                 "seq_len/mean": sum(len(s.tokens) for s in samples) / len(samples),
                 "completion_len/mean": sum(s.sampled_tokens for s in samples) / len(samples),
             }
+            if len(self.sources) > 1:  # each source's own figures
+                for src in self.sources:
+                    mine = [s.reward for g in src.batching for s in g.samples]
+                    metrics[f"reward/{src.name}/mean"] = sum(mine) / len(mine)
+                    metrics[f"samples/{src.name}"] = len(mine)
             turns = [s.turns for s in samples if s.turns is not None]
             if turns:
                 metrics["turns/mean"] = sum(turns) / len(turns)
@@ -437,13 +533,15 @@ class Orchestrator:
             self.tokens_since_batch = 0
             last = now
             await asyncio.to_thread(self._write_batch, RolloutBatch(step=n, samples=samples, metrics=metrics),
-                                    position.record([g.draw for g in groups if g.draw is not None]))
-            self.batches_written, self.batching = n, []
+                                    position.record({src.name: [g.draw for g in src.batching if g.draw is not None]
+                                                     for src in self.sources}))
+            self.batches_written = n
+            for src in self.sources:
+                src.batching = []
             watchdog.advance()
             log(f"batch {n}: reward {metrics['reward/mean']:.3f}, staleness max {metrics['off_policy/max']}, "
                 f"dropped {dropped}, inference v{self.version}")
-            if self.o.eval_every and n % self.o.eval_every == 0 and n < self.cfg.max_steps:
-                self._start_evaluation(n)
+            self._start_due_evaluations(n)
 
     def _write_batch(self, batch: RolloutBatch, position: dict[str, Any]) -> None:
         """The data position, then the batch (a trainer that sees the batch finds its position)."""
@@ -456,7 +554,7 @@ class Orchestrator:
             if not group.cancelled and (next_batch - 1) - group.start_version > self.o.max_off_policy_steps:
                 group.cancelled = True  # no longer counted as started
                 job.cancel()
-                self.pending.pop(group.draw, None)
+                self.by_name[group.source].pending.pop(group.draw, None)
 
     async def run(self) -> None:
         """Run the loops until the last batch is written. The first of them to fail ends the
@@ -485,15 +583,15 @@ class Orchestrator:
             writer.result()
         finally:
             self.closing = True
-            if self.workers is not None:
-                self.workers.closing = True
+            for workers in self.workers():
+                workers.closing = True
             others = [*jobs, writer, *self.in_flight, *self.evaluations]
             for job in others:
                 job.cancel()
             await asyncio.gather(*others, return_exceptions=True)
             self.scorer.shutdown(wait=False, cancel_futures=True)
-            if self.workers is not None:
-                self.workers.close()
+            for workers in self.workers():
+                workers.close()
 
 
 def main(cfg: RunConfig) -> None:
