@@ -24,22 +24,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 
-class _Sampling(BaseModel):
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    n: int = Field(default=1, ge=1, le=128)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+class _Streamless(BaseModel):
     stream: bool = False
-    return_routed_experts: bool = False
-    # prefill/decode disaggregation (vLLM's): {"do_remote_decode": true} asks for the prefill
-    # phase, the prefill's answer for the decode phase (primerl.serving.front)
-    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stream")
     @classmethod
@@ -48,10 +34,32 @@ class _Sampling(BaseModel):
             raise ValueError("streaming is not supported by primerl's inference API; set stream=false")
         return v
 
+
+class _SamplingFields(BaseModel):
+    """The sampling fields every route accepts (OpenAI's, vLLM's extensions)."""
+
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    n: int = Field(default=1, ge=1, le=128)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_routed_experts: bool = False
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class _Sampling(_SamplingFields, _Streamless):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    # prefill/decode disaggregation (vLLM's): {"do_remote_decode": true} asks for the prefill
+    # phase, the prefill's answer for the decode phase (primerl.serving.front)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -128,23 +136,15 @@ class ChatTokensRequest(ChatCompletionRequest):
     tokens: list[int] = Field(min_length=1)
 
 
-class GenerateSamplingParams(BaseModel):
+class GenerateSamplingParams(_SamplingFields):
     """``sampling_params`` of ``/inference/v1/generate`` (vLLM's ``SamplingParams`` names; the
-    fields primerl serves, unknown ones ignored)."""
+    fields primerl serves, unknown ones ignored; ``return_routed_experts`` here too, for
+    clients that pass ``sampling_params`` only)."""
 
     max_tokens: int | None = Field(default=16, ge=0)  # 0: score the prompt only (with prompt_logprobs)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    n: int = Field(default=1, ge=1, le=128)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)  # the sampled token's (and the top k)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     skip_special_tokens: bool = True  # accepted: the answer is tokens, nothing is detokenized
-    return_routed_experts: bool = False  # as the request's own field (clients that pass sampling_params only)
 
     @model_validator(mode="after")
     def _zero_tokens_score_the_prompt(self) -> GenerateSamplingParams:
@@ -152,13 +152,8 @@ class GenerateSamplingParams(BaseModel):
             raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs: the prompt is scored)")
         return self
 
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-
-class GenerateRequest(BaseModel):
+class GenerateRequest(_Streamless):
     """``POST /inference/v1/generate``: vLLM's token-in generation (what verifiers' training
     clients call through ``renderers.client.generate``)."""
 
@@ -167,16 +162,8 @@ class GenerateRequest(BaseModel):
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     cache_salt: str | None = Field(default=None, min_length=1)  # prefixes are reused only under the same salt
     priority: int = 0  # lower runs first (vLLM's priority scheduling); equal: arrival order
-    stream: bool = False
     return_routed_experts: bool = False
     request_id: str | None = None
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not supported by primerl's inference API; set stream=false")
-        return v
 
 
 class TokenizeRequest(BaseModel):
