@@ -69,3 +69,29 @@ def test_a_stall_is_reported_once_progress_stops_and_busy_work_is_progress(tmp_p
     watchdog.advance()
     watchdog._beacon.write()
     assert dog.check() is None  # progress again
+
+
+def test_a_watchdog_on_another_machine_asks_for_stacks_through_the_run_directory(tmp_path, monkeypatch):
+    """The Slurm launcher's case: no /proc and no signals across machines; the beacons
+    answer a request file with their stacks, and a beacon that stopped writing is named."""
+    class Cfg:
+        class watchdog:
+            stall_timeout_s = 0.2
+            on_stall = "exit"
+
+    run = RunDir(tmp_path)
+    run.config.parent.mkdir(parents=True, exist_ok=True)
+    run.config.write_text("")
+    monkeypatch.setattr(watchdog, "_beacon", None)
+    watchdog.start("trainer-0", run, Cfg)
+    watchdog.doing("step 3 of 10")
+    dog = Watchdog(Cfg, run, names=lambda role: role, logs=None, urls=lambda: [])
+    with watchdog.waiting("batch", "batch 3 from the orchestrator"):
+        watchdog._beacon.write()
+        assert dog.check() is None
+        time.sleep(0.3)
+        stall = dog.check()
+    assert stall.stage.startswith("the trainer waits") and "batch 3 from the orchestrator" in stall.stage
+    report = stall.report.read_text()
+    assert "state unknown (another machine)" in report
+    assert "stacks:" in report and "in _loop" in report  # the beacon's own thread, from its .stacks file

@@ -46,6 +46,7 @@ PROGRESS_DIR = "progress"  # under the run directory
 WRITE_EVERY_S = 1.0
 STALE_S = 10.0  # a beacon file older than this: its process no longer runs Python freely
 STACKS_WAIT_S = 2.0  # for the stack dumps to reach the logs
+STACKS_REQUEST = "stacks.request"  # under progress/: touched, every beacon dumps its stacks beside its record
 
 
 @attrs.frozen
@@ -93,6 +94,8 @@ class Beacon:
         self.doing, self.doing_since, self.busy = "starting", time.time(), True
         self.waits: dict[int, Wait] = {}
         self._ids = itertools.count()
+        self.request = directory / STACKS_REQUEST
+        self.answered = self._requested()  # a request from before this process started is not for it
         self._thread = threading.Thread(target=self._loop, name="primerl-beacon", daemon=True)
         self._thread.start()
 
@@ -110,14 +113,34 @@ class Beacon:
                             children=tuple(children))
 
     def write(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
+        tmp = self.path.with_suffix(f".{threading.get_ident()}.tmp")
         tmp.write_text(self.record().to_json())
         os.replace(tmp, self.path)
+
+    def _requested(self) -> float:
+        try:
+            return self.request.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def dump_stacks(self) -> None:
+        """Every thread's stack to ``<role>-<pid>.stacks`` (a watchdog on another machine
+        asked: it cannot signal this process), and SIGUSR1 to the children that dump theirs."""
+        with open(self.path.with_suffix(".stacks"), "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        for source in self.children_sources:
+            with contextlib.suppress(Exception):
+                for pid in source():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGUSR1)
 
     def _loop(self) -> None:
         while True:
             with contextlib.suppress(OSError):  # a run directory being removed: try again later
                 self.write()
+                if (asked := self._requested()) > self.answered:
+                    self.answered = asked
+                    self.dump_stacks()
             time.sleep(WRITE_EVERY_S)
 
 
@@ -184,6 +207,10 @@ _STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible IO", "T": "
            "t": "stopped by a tracer", "Z": "exited (zombie)", "I": "idle"}
 
 
+def _state(letter: str | None) -> str:
+    return "state unknown (another machine)" if letter is None else _STATES.get(letter, letter)
+
+
 def process_state(pid: int) -> str | None:
     """The ``/proc`` state letter of ``pid`` (None: no such process)."""
     try:
@@ -247,9 +274,9 @@ def diagnose(seen: list[Seen], health: dict[str, str | None], now: float) -> str
                 return f"the trainer is stuck {w.detail}, for {_age(w.since, now)}"
             return f"a weight update not acknowledged: {w.detail}, for {_age(w.since, now)}"
     for s in seen:
-        if now - s.record.time > STALE_S and s.state is not None:
+        if now - s.record.time > STALE_S:
             return f"the {s.name} process ({s.record.pid}) stopped reporting {_age(s.record.time, now)} ago " \
-                   f"({_STATES.get(s.state, s.state)}; blocked outside Python?)"
+                   f"({_state(s.state)}: stopped, or blocked outside Python)"
     for w, _s in waits:
         if w.kind == "batch":
             return f"the trainer waits {_age(w.since, now)} for {w.detail}; the orchestrator: " + "; ".join(
@@ -268,8 +295,11 @@ class Watchdog:
     launcher's name of its process; ``logs`` a name to its log file; ``urls`` the
     inference servers (their ``/health`` is asked on a stall)."""
 
-    def __init__(self, cfg: Any, run_dir: Any, names: Callable[[str], str], logs: Callable[[str], Path],
+    def __init__(self, cfg: Any, run_dir: Any, names: Callable[[str], str], logs: Callable[[str], Path] | None,
                  urls: Callable[[], list[str]]) -> None:
+        """``logs`` None: the processes run on other machines (a Slurm job): no ``/proc`` and
+        no signals; each beacon is asked through the run directory for its stacks."""
+        self.remote = logs is None
         self.timeout = cfg.watchdog.stall_timeout_s
         self.directory = run_dir.root / PROGRESS_DIR
         self.report_path = run_dir.logs / "watchdog.log"
@@ -301,8 +331,11 @@ class Watchdog:
     def report(self, records: list[BeaconRecord]) -> Stall:
         import httpx
 
-        live = [r for r in records if (st := process_state(r.pid)) is not None and st != "Z"]
-        seen = [Seen(r, process_state(r.pid), self.names(r.role)) for r in live]
+        if self.remote:  # the last record of each process; its state unknown here
+            seen = [Seen(r, None, self.names(r.role)) for r in records]
+        else:
+            live = [r for r in records if (st := process_state(r.pid)) is not None and st != "Z"]
+            seen = [Seen(r, process_state(r.pid), self.names(r.role)) for r in live]
         health: dict[str, str | None] = {}
         for url in self.urls():
             try:
@@ -312,28 +345,37 @@ class Watchdog:
                 health[url] = f"/health: {type(exc).__name__}"
         now = time.time()
         stage = diagnose(seen, health, now)
-        # the stacks: SIGUSR1 to every live process that dumps them (a stopped one cannot)
+        # the stacks: SIGUSR1 to every live process that dumps them (a stopped one cannot); on
+        # other machines, a request every beacon answers with a .stacks file
         sizes = {}
-        for s in seen:
-            log = self.logs(s.name)
-            sizes.setdefault(log, log.stat().st_size if log.exists() else 0)
-            for pid in (s.record.pid, *s.record.children):
-                if process_state(pid) not in (None, "Z", "T", "t"):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGUSR1)
-        time.sleep(STACKS_WAIT_S)
+        if self.remote:
+            (self.directory / STACKS_REQUEST).touch()
+        else:
+            for s in seen:
+                log = self.logs(s.name)
+                sizes.setdefault(log, log.stat().st_size if log.exists() else 0)
+                for pid in (s.record.pid, *s.record.children):
+                    if process_state(pid) not in (None, "Z", "T", "t"):
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.kill(pid, signal.SIGUSR1)
+        time.sleep(STACKS_WAIT_S + (WRITE_EVERY_S if self.remote else 0.0))
         lines = [f"watchdog: no progress for {self.timeout:.0f} s at {time.strftime('%Y-%m-%d %H:%M:%S')}",
                  f"stuck: {stage}", ""]
         for url, why in health.items():
             lines.append(f"inference {url}: {'answers /health' if why is None else why}")
         for s in seen:
             r = s.record
-            lines += ["", f"== {s.name} (pid {r.pid}, {_STATES.get(s.state or '', s.state)}; last report "
+            lines += ["", f"== {s.name} (pid {r.pid}, {_state(s.state)}; last report "
                           f"{_age(r.time, now)} ago)",
                       f"doing: {r.doing} (for {_age(r.doing_since, now)})"]
             lines += [f"waiting on {w.kind}: {w.detail} (for {_age(w.since, now)})" for w in r.waits[:20]]
             if len(r.waits) > 20:
                 lines.append(f"... and {len(r.waits) - 20} more waits")
+            stacks = self.directory / f"{r.role}-{r.pid}.stacks"
+            if self.remote and stacks.exists() and stacks.stat().st_mtime >= now - STACKS_WAIT_S - WRITE_EVERY_S - 1:
+                lines += ["stacks:", stacks.read_text(errors="replace").rstrip()]
+            elif self.remote:
+                lines.append("stacks: none came (the process is stopped, or blocked outside Python)")
         for log, size in sizes.items():
             try:
                 with open(log, errors="replace") as f:

@@ -2,6 +2,7 @@
 one-node Slurm (munged, slurmctld and slurmd started here as root; skipped, saying why,
 where Slurm or munge is not installed). Nothing of Slurm is mocked."""
 
+import contextlib
 import json
 import os
 import re
@@ -353,3 +354,35 @@ def test_a_lost_inference_server_is_started_again_inside_the_job(slurm, tmp_path
     assert rows[-1]["inference/servers_up"] == 2  # serving again by the end
     time.sleep(1)
     assert _processes_of(out) == []
+
+
+@pytest.mark.slow
+def test_a_stalled_job_is_named_and_cancelled(slurm, tmp_path):
+    """The trainer stopped (SIGSTOP) inside the job: the launcher, which cannot see the job's
+    processes, reads their beacons from the run directory and names the one that stopped
+    reporting, then cancels the job (exit code 3)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                             "--launcher", "slurm", "--max-steps", "1000", "--output-dir", str(out), *SMALL,
+                             "--watchdog.stall_timeout_s", "10"],
+                            env={**os.environ, **slurm}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # training under way
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    (beacon,) = [json.loads(p.read_text()) for p in (out / "progress").glob("trainer-*.json")]
+    os.kill(beacon["pid"], signal.SIGSTOP)
+    try:
+        stdout, stderr = proc.communicate(timeout=10 + 30 + 150)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(beacon["pid"], signal.SIGCONT)
+    assert proc.returncode == 3, stdout + stderr
+    line = stderr.strip().splitlines()[-1]
+    assert "the run made no progress for 10 s: the trainer-0 process" in line and "stopped reporting" in line, line
+    assert "cancelled Slurm job" in line
+    report = (out / "logs" / "watchdog.log").read_text()
+    assert "== orchestrator" in report and "stacks:" in report
+    assert _queue(slurm, _job_id(stdout)) == ""

@@ -46,13 +46,16 @@ from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
 from primerl.resume import prepare_run
 from primerl.rundir import RunDir
+from primerl.runtime import read_runtime
 from primerl.runview import summarize
+from primerl.watchdog import Watchdog, clear_beacons
 from primerl_slurm.config import SlurmConfig
 from primerl_slurm.scripts import BATCH, layout, write_scripts
 
 POLL_SLURM_SECONDS = 5.0  # squeue is asked this often (the view refreshes every 0.5 s)
 GIVE_UP_SECONDS = 300.0  # Slurm unreachable this long: stop following (the job runs on)
 CANCEL_WAIT_SECONDS = 90.0
+STALLED = 3  # the exit code of a run the watchdog stopped
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
 INSTALL = ("install Slurm's client commands (Debian/Ubuntu: apt-get install slurm-client) or run on a login "
@@ -134,6 +137,15 @@ class SlurmLauncher:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         view = LiveView(cfg, run_dir)
         slurm = Slurm(job)
+        clear_beacons(run_dir)
+        # the job's processes run on its nodes: the watchdog reads their beacons from the run
+        # directory and asks them for their stacks there; it counts from when the job runs
+        dog: Watchdog | None = None
+
+        def urls() -> list[str]:
+            started = read_runtime(run_dir.root)
+            return list(started.inference_urls) if started is not None else []
+
         try:
             with view:
                 _note(view, f"submitted Slurm job {job} ({run_dir.root / 'slurm' / BATCH}); "
@@ -161,6 +173,18 @@ class SlurmLauncher:
                                 _note(view, f"Slurm job {job}: {state.state}{where}{why}")
                             if state.state in FINAL:
                                 break
+                            if state.state == "RUNNING" and dog is None:
+                                dog = Watchdog(cfg, run_dir, names=lambda role: role, logs=None, urls=urls)
+                    if dog is not None and (stall := dog.check()) is not None:
+                        line = (f"the run made no progress for {cfg.watchdog.stall_timeout_s:.0f} s: {stall.stage} "
+                                f"(every process's waits and stacks: {stall.report})")
+                        if cfg.watchdog.on_stall == "exit":
+                            view.stop()
+                            slurm.cancel()
+                            print(f"\nerror: {line}; cancelled Slurm job {job} (watchdog.on_stall = \"exit\"; the "
+                                  f"same command resumes it from its newest checkpoint)", file=sys.stderr)
+                            return STALLED
+                        _note(view, f"warning: {line}; still waiting (watchdog.on_stall = \"wait\")")
                     time.sleep(0.5)
                 view.refresh()
         except Interrupted as exc:
