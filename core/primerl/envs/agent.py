@@ -38,6 +38,9 @@ class Endpoint:
     top_p: float = 1.0
     max_model_len: int = 1024
     return_routed_experts: bool = False  # R3: ask the engine for every token's experts
+    # the served model's tokenizer folder (its checkpoint), for envs that render prompts to
+    # token ids themselves; None: a preset, served with primerl's byte tokenizer
+    tokenizer: str | None = None
     # the servers' API key (inference.api_key / PRIMERL_API_KEY), for the env's client:
     # OpenAI's clients send it as "Authorization: Bearer <key>"; None: servers need none
     api_key: str | None = attrs.field(default=None, repr=False)

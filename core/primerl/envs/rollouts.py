@@ -233,7 +233,8 @@ class Agent:
             endpoint = Endpoint(
                 base_url=url + "/v1", model=ctx.cfg.model.name, max_tokens=o.max_tokens,
                 temperature=group.temperature, top_p=o.top_p, max_model_len=ctx.cfg.inference.max_model_len,
-                return_routed_experts=ctx.want_routed, api_key=ctx.cfg.inference.resolved_api_key())
+                return_routed_experts=ctx.want_routed, api_key=ctx.cfg.inference.resolved_api_key(),
+                tokenizer=ctx.cfg.model.checkpoint)
             try:
                 episodes = await ctx.workers.call("run_group", group.task, endpoint, group.size, timeout=timeout)
             except Exception:

@@ -1,5 +1,8 @@
 """The verifiers bridge: train on any environment built with the verifiers library.
 
+With verifiers 0.4 installed (its ``verifiers.v1`` stack) the bridge runs v1 environments:
+:mod:`primerl_verifiers.v1`. What follows is the classic API's path (verifiers 0.3).
+
 verifiers (PrimeIntellect's environment library) packages an environment as a module with
 ``load_environment(**args)``; its classic API (``verifiers < 0.4``, ``verifiers.legacy``
 in 0.3) runs a rollout itself: ``Environment.run_group`` calls the model through a
@@ -41,13 +44,32 @@ def _env_id(_inst: Any, _attr: attrs.Attribute, value: str) -> None:
                          "the installed module that defines load_environment; '-' becomes '_')")
 
 
+def _named(_inst: Any, attr: attrs.Attribute, value: str) -> None:
+    if not value:
+        raise ValueError(f"{attr.name}: must name one (e.g. {attr.default!r})")
+
+
+def _positive(_inst: Any, attr: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attr.name}: must be >= 1, got {value}")
+
+
 @attrs.define(kw_only=True)
 class VerifiersConfig(AgentConfig):
     """``[env]`` options of the bridge (``episode_timeout_s``: a whole group)."""
 
     id: str = attrs.field(default="", validator=_env_id)
-    args: dict[str, Any] = attrs.Factory(dict)  # keyword arguments of load_environment
-    client: Literal["tokens", "messages"] = "tokens"  # tokens: later turns sent as token ids
+    # keyword arguments of load_environment (classic); the taskset's options (v1)
+    args: dict[str, Any] = attrs.Factory(dict)
+    client: Literal["tokens", "messages"] = "tokens"  # classic: tokens sends later turns as token ids
+    # v1 (verifiers >= 0.4): the agent's harness ("null": the model answers, with the task's
+    # tools if it has any; "bash", "mini_swe_agent"...), its runtime ("subprocess", "docker"...)
+    harness: str = attrs.field(default="null", validator=_named)
+    runtime: str = attrs.field(default="subprocess", validator=_named)
+    max_turns: int = attrs.field(default=8, validator=_positive)  # v1: model turns per episode
+    # v1: the renderers' renderer by name (glm-5, kimi-k2, minimax-m2, qwen3, default...); "":
+    # the served model type's, else the default renderer over the tokenizer's chat template
+    renderer: str = ""
 
 
 class VerifiersEnv(AgentEnv):
@@ -57,6 +79,9 @@ class VerifiersEnv(AgentEnv):
         super().__init__(config)
         self._vf_env: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None  # one per worker, for every group it runs
+        from primerl_verifiers import v1
+
+        self._v1 = v1.V1Bridge(self.config) if v1.installed() else None  # verifiers >= 0.4
 
     @property
     def vf_env(self) -> Any:
@@ -66,7 +91,7 @@ class VerifiersEnv(AgentEnv):
             try:
                 import verifiers as vf
             except ImportError as e:
-                raise ImportError("the verifiers bridge needs the verifiers library: pip install 'verifiers>=0.3,<0.4'") from e
+                raise ImportError("the verifiers bridge needs the verifiers library: pip install 'verifiers>=0.4' (or 0.3 for the classic API)") from e
             try:
                 self._vf_env = vf.load_environment(self.config.id, **self.config.args)
             except ValueError as e:  # verifiers' "could not import" error
@@ -74,6 +99,9 @@ class VerifiersEnv(AgentEnv):
         return self._vf_env
 
     def tasks(self, split: str) -> Iterable[Task]:
+        if self._v1 is not None:
+            yield from self._v1.tasks(split)
+            return
         env = self.vf_env
         if split == "eval":
             if env.eval_dataset is None and getattr(env, "eval_dataset_source", None) is None:
@@ -93,10 +121,13 @@ class VerifiersEnv(AgentEnv):
         # HTTP sessions of its rubric) stays usable from one group to the next.
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(self._run_group(task, endpoint, n))
+        group = self._v1.run_group(task, endpoint, n) if self._v1 is not None else self._run_group(task, endpoint, n)
+        return self._loop.run_until_complete(group)
 
     def close(self) -> None:
         if self._loop is not None:
+            if self._v1 is not None:
+                self._loop.run_until_complete(self._v1.aclose())
             self._loop.close()
 
     async def _run_group(self, task: Task, endpoint: Endpoint, n: int) -> list[Episode]:

@@ -6,4 +6,5 @@ from primerl import hookimpl
 @hookimpl
 def register_envs(register):
     register("verifiers", "primerl_verifiers.env:VerifiersEnv",
-             description="any verifiers (classic API, < 0.4) environment by id: --env.id NAME [--env.args.KEY V]")
+             description="any verifiers environment by id (0.4's v1 stack, or 0.3's classic API): --env.id NAME "
+                         "[--env.args.KEY V]")
