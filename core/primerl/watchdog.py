@@ -96,6 +96,7 @@ class Beacon:
         self._ids = itertools.count()
         self.request = directory / STACKS_REQUEST
         self.answered = self._requested()  # a request from before this process started is not for it
+        self.write()  # the first record now; the thread's next one a second later
         self._thread = threading.Thread(target=self._loop, name="primerl-beacon", daemon=True)
         self._thread.start()
 
@@ -136,12 +137,12 @@ class Beacon:
 
     def _loop(self) -> None:
         while True:
+            time.sleep(WRITE_EVERY_S)
             with contextlib.suppress(OSError):  # a run directory being removed: try again later
                 self.write()
                 if (asked := self._requested()) > self.answered:
                     self.answered = asked
                     self.dump_stacks()
-            time.sleep(WRITE_EVERY_S)
 
 
 _beacon: Beacon | None = None
