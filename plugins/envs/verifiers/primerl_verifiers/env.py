@@ -54,6 +54,12 @@ def _positive(_inst: Any, attr: attrs.Attribute, value: int) -> None:
         raise ValueError(f"{attr.name}: must be >= 1, got {value}")
 
 
+def _renderer(_inst: Any, _attr: attrs.Attribute, value: str) -> None:
+    from primerl_verifiers.v1 import check_renderer
+
+    check_renderer(value)
+
+
 @attrs.define(kw_only=True)
 class VerifiersConfig(AgentConfig):
     """``[env]`` options of the bridge (``episode_timeout_s``: a whole group)."""
@@ -67,9 +73,9 @@ class VerifiersConfig(AgentConfig):
     harness: str = attrs.field(default="null", validator=_named)
     runtime: str = attrs.field(default="subprocess", validator=_named)
     max_turns: int = attrs.field(default=8, validator=_positive)  # v1: model turns per episode
-    # v1: the renderers' renderer by name (glm-5, kimi-k2, minimax-m2, qwen3, default...); "":
-    # the served model type's, else the default renderer over the tokenizer's chat template
-    renderer: str = ""
+    # v1: the turns' renderer by name (renderers' glm-5, kimi-k2, qwen3, default..., or primerl-byte);
+    # "": primerl-byte for the byte tokenizer, else the checkpoint's model type's, else renderers' choice
+    renderer: str = attrs.field(default="", validator=_renderer)
 
 
 class VerifiersEnv(AgentEnv):
