@@ -124,7 +124,7 @@ def train_section(device: str, tiny: bool, *, strategy_name: str, fp8: bool) -> 
     from primerl.parallel import device_mesh
     from primerl.registry import get_registry
     from primerl.samples import Sample
-    from primerl.trainer.loss import get_loss
+    from primerl.trainer.loss import build_loss
     from primerl.trainer.main import load_parallelism
     from primerl.trainer.optim import make_optimizer
     from primerl.trainer.packing import pack
@@ -164,7 +164,7 @@ def train_section(device: str, tiny: bool, *, strategy_name: str, fp8: bool) -> 
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                stats = rl_step(model, optimizer, packed, get_loss("default"), cfg, strategy)
+                stats = rl_step(model, optimizer, packed, build_loss("default"), cfg, strategy)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)

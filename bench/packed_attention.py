@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from primerl.config import ConfigSources, load_config
-    from primerl.trainer.loss import get_loss
+    from primerl.trainer.loss import build_loss
     from primerl.trainer.main import build_model, load_parallelism
     from primerl.trainer.optim import make_optimizer
     from primerl.trainer.packing import pack
@@ -59,7 +59,7 @@ def main() -> None:
                                                    ("trainer.seq_len", seq_len)]))
         _, model, _ = build_model(cfg)
         batch = samples(n, prompt, completion, seed=0)
-        loss_fn = get_loss(cfg.trainer.loss)
+        loss_fn = build_loss(cfg.trainer.loss, cfg.trainer.loss_options)
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(args.rounds):  # alternate, so drift in machine speed hits both alike
             for unpack in (False, True):

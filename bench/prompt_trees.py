@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from primerl.config import ConfigSources, load_config
-    from primerl.trainer.loss import get_loss
+    from primerl.trainer.loss import build_loss
     from primerl.trainer.main import build_model, load_parallelism
     from primerl.trainer.optim import make_optimizer
     from primerl.trainer.packing import pack
@@ -71,7 +71,7 @@ def main() -> None:
                                                    ("trainer.seq_len", seq_len), ("trainer.micro_batch_rows", rows)]))
         _, model, _ = build_model(cfg)
         batch = groups(n_groups, size, prompt, completion, seed=0)
-        loss_fn = get_loss(cfg.trainer.loss)
+        loss_fn = build_loss(cfg.trainer.loss, cfg.trainer.loss_options)
         packed = {share: pack(batch, seq_len, share_prompts=share) for share in (False, True)}
         times: dict[bool, list[float]] = {True: [], False: []}
         for r in range(args.rounds + 1):  # the first round warms up; then alternate, so drift hits both alike

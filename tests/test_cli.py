@@ -21,7 +21,8 @@ def test_plugin_descriptions_are_shown_as_written():
     assert "context parallel over cp ([trainer.parallel])" in r.stdout  # brackets are text, not markup
 
 
-KINDS = ("model", "env", "router", "kv_store", "parallelism", "inference_backend", "launcher", "loss", "advantage")
+KINDS = ("model", "env", "router", "kv_store", "parallelism", "inference_backend", "launcher", "loss", "correction", "advantage",
+         "monitor")
 
 
 def test_plugins_list_json_has_exactly_the_documented_keys():

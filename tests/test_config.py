@@ -97,7 +97,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
 @pytest.mark.parametrize("key,kind", [("inference.router", "router"), ("inference.kv_store", "kv_store"),
                                       ("inference.backend", "inference_backend"), ("launcher.name", "launcher"),
                                       ("trainer.parallelism", "parallelism"), ("trainer.loss", "loss"),
-                                      ("orchestrator.advantage", "advantage")])
+                                      ("trainer.correction", "correction"), ("orchestrator.advantage", "advantage")])
 def test_a_key_naming_a_plugin_that_is_not_installed_fails_at_once(key, kind):
     with pytest.raises(ConfigError, match=rf"{key} = 'nope' \(from the command line.*no {kind} named 'nope'"):
         load_config(ConfigSources(overrides=[(key, "nope")]))
@@ -106,6 +106,39 @@ def test_a_key_naming_a_plugin_that_is_not_installed_fails_at_once(key, kind):
 def test_a_loss_or_advantage_may_be_any_function_given_as_module_attr():
     cfg = load_config(ConfigSources(overrides=[("orchestrator.advantage", "my_pkg.adv:rloo")]))
     assert cfg.orchestrator.advantage == "my_pkg.adv:rloo"  # imported by the process that uses it
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([("trainer.loss", "grpo_clip"), ("trainer.loss_options.clip_low", "1.5")],
+     r"trainer.loss_options \(from the command line \(--trainer.loss_options.clip_low\)\) do not fit trainer.loss "
+     r"'grpo_clip': clip_low must be in \[0, 1\)"),
+    ([("trainer.loss", "gspo"), ("trainer.loss_options.clip", "0.1")],
+     r"do not fit trainer.loss 'gspo': .*unexpected keyword argument 'clip'"),
+    ([("trainer.correction", "mis"), ("trainer.correction_options.floor", "3")],
+     r"trainer.correction_options .* do not fit trainer.correction 'mis': floor \(3.0\) must be below cap \(2.0\)"),
+    ([("trainer.correction_options.cap", "3")], r"trainer.correction_options .* set, but trainer.correction names no "
+                                                 r"component"),
+    ([("orchestrator.advantage", "rloo"), ("orchestrator.advantage_options.beta", "1")],
+     r"orchestrator.advantage_options .* do not fit orchestrator.advantage 'rloo'"),
+    ([("trainer.kl_coef", "0.1")], r"unknown key 'trainer.kl_coef' .* It is now the default loss's "
+                                   r"trainer.loss_options.kl_tau"),
+    ([("orchestrator.overlong_buffer", "64"), ("orchestrator.max_tokens", "64")],
+     r"orchestrator.overlong_buffer \(64, .*must be below orchestrator.max_tokens \(64\)"),
+])
+def test_an_algorithms_options_are_checked_by_the_component_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(ConfigSources(overrides=overrides))
+
+
+def test_a_sequence_level_loss_or_correction_is_refused_with_context_parallel():
+    base = [("trainer.nproc", "2"), ("trainer.parallel.cp", "2")]
+    with pytest.raises(ConfigError, match=r"trainer.loss = 'gspo' .* works on whole sequences, which context parallel"):
+        load_config(ConfigSources(overrides=[*base, ("trainer.loss", "gspo")]))
+    with pytest.raises(ConfigError, match=r"trainer.correction = 'tis' .* works on whole sequences"):
+        load_config(ConfigSources(overrides=[*base, ("trainer.correction", "tis"),
+                                             ("trainer.correction_options.level", "sequence")]))
+    cfg = load_config(ConfigSources(overrides=[*base, ("trainer.loss", "dapo"), ("trainer.correction", "tis")]))
+    assert cfg.trainer.loss_options == {} and cfg.trainer.correction == "tis"
 
 
 def test_inference_section_is_validated_by_the_selected_backends_config_class():

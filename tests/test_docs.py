@@ -80,13 +80,14 @@ def _kinds():
     from primerl.kv_stores import KVStore, ReportsEvictions
     from primerl.launchers import Launcher
     from primerl.models import ModelAdapter
+    from primerl.monitors import Monitor, MonitorCapabilities, MonitorConfig
     from primerl.parallel import Parallelism
     from primerl.routers import Router
 
     return {"register_models": [ModelAdapter], "register_envs": [Environment, CheckableEnv, PreparableEnv],
             "register_routers": [Router], "register_kv_stores": [KVStore, ReportsEvictions],
             "register_parallelisms": [Parallelism], "register_inference_backends": [InferenceBackend, WeightSender],
-            "register_launchers": [Launcher]}
+            "register_launchers": [Launcher], "register_monitors": [Monitor, MonitorConfig, MonitorCapabilities]}
 
 
 def test_every_member_of_a_kinds_protocol_is_documented_in_its_section():
@@ -101,3 +102,17 @@ def test_every_member_of_a_kinds_protocol_is_documented_in_its_section():
             if names:
                 missing[f"{hook}: {cls.__name__}"] = names
     assert missing == {}
+
+
+def test_every_algorithm_has_a_section_in_the_algorithms_page_and_no_section_is_stale():
+    """docs/algorithms.md's sections are exactly the registered losses, corrections and
+    advantages (every plugin installed here: the core's own and any other)."""
+    from primerl.registry import get_registry
+
+    text = (REPO / "docs" / "algorithms.md").read_text()
+    chapters = {"loss": "## Losses", "correction": "## Off-policy corrections", "advantage": "## Advantages"}
+    reg = get_registry()
+    for kind, title in chapters.items():
+        chapter = text.split(title, 1)[1].split("\n## ", 1)[0]
+        documented = set(re.findall(r"^### `([a-z_0-9]+)`$", chapter, re.M))
+        assert documented == {c.name for c in reg.of_kind(kind)}, kind

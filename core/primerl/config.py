@@ -28,6 +28,7 @@ import attrs
 
 from primerl.errors import ConfigError, PluginError
 from primerl.models import ModelConfig
+from primerl.monitors import MonitorConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -259,15 +260,16 @@ class TrainerConfig:
     # the same logprobs and gradients for fewer positions. Off for models with recurrent
     # (Mamba) layers, which pack every sample whole
     share_prompts: bool = True
-    # the loss plugin (register_losses) or a "module:function": "default" is prime-rl's
-    # importance-ratio loss with probability-difference masking
+    # the RL loss (register_losses, or a "module:factory"): default (DPPO masking + log-ratio
+    # KL), grpo_clip, dapo, dr_grpo, gspo, cispo, sapo, ipo; docs/algorithms.md
     loss: str = "default"
-    # default loss: weight of the (log trainer/inference probability ratio)^2 penalty on
-    # each kept token (0 = off)
-    kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
-    # default loss: a token gets no gradient once its probability has moved more than this
-    # (p_train - p_infer) in the direction its advantage pushes
-    mask_threshold: float = attrs.field(default=0.2, validator=_positive)
+    # the loss's own options, e.g. [trainer.loss_options] clip_high = 0.28 (docs/algorithms.md)
+    loss_options: dict[str, Any] = attrs.field(factory=dict)
+    # an off-policy correction of the engine/trainer mismatch (register_corrections): tis,
+    # mis, icepop; "" = none (the loss's ratio against the engine's logprobs corrects alone)
+    correction: str = ""
+    # the correction's options, e.g. [trainer.correction_options] cap = 2.0
+    correction_options: dict[str, Any] = attrs.field(factory=dict)
     # R3, rollout routing replay: MoE layers send each token to the experts inference chose,
     # so trainer and engine compute the same function (needs the engine's routed experts)
     router_replay: bool = False
@@ -360,6 +362,7 @@ class SourceConfig:
     ratio: float = attrs.field(default=1.0, validator=_positive)  # its share of every batch's samples
     group_size: int = attrs.field(default=0, validator=_non_negative)  # samples per task; 0: orchestrator.group_size
     advantage: str = ""  # its advantage estimator; "": orchestrator.advantage
+    advantage_options: dict[str, Any] = attrs.field(factory=dict)  # its estimator's options (with its own advantage)
 
 
 @attrs.define(kw_only=True)
@@ -398,9 +401,20 @@ class OrchestratorConfig:
     # samples whose oldest token is more than this many policy versions older than their
     # batch's (n - 1 for batch n) are dropped, counted in dropped_stale; >= async_level
     max_off_policy_steps: int = attrs.field(default=8, validator=_non_negative)
-    # the advantage plugin (register_advantages) or a "module:function": "grpo" (reward minus
-    # the group mean) or "grpo_std" (that, divided by the group's std)
+    # the advantage estimator (register_advantages, or a "module:factory"): grpo (reward
+    # minus the group mean), grpo_std (divided by the group's std), rloo, reinforce_pp
     advantage: str = "grpo"
+    # the estimator's own options, e.g. [orchestrator.advantage_options]
+    advantage_options: dict[str, Any] = attrs.field(factory=dict)
+    # DAPO's dynamic sampling: a group whose rewards are all equal (no signal for a
+    # group-relative advantage) is skipped and a fresh one takes its place, counted in
+    # skipped_uniform (at most 4 batches' worth per batch, so an all-zero start still trains)
+    skip_uniform_groups: bool = False
+    # DAPO's soft overlong punishment: a model turn within this many tokens of max_tokens
+    # loses up to overlong_penalty of reward for the advantage (0 = off)
+    overlong_buffer: int = attrs.field(default=0, validator=_non_negative)
+    # the most reward a turn that reaches max_tokens loses (linear over the buffer)
+    overlong_penalty: float = attrs.field(default=1.0, validator=_non_negative)
     # stop the run when this many rollout groups fail in a row with none succeeding in
     # between: the env cannot run its tasks (a missing sandbox, a broken harness)
     max_failed_groups: int = attrs.field(default=16, validator=_positive)
@@ -422,7 +436,8 @@ class OrchestratorConfig:
         """The sources the run trains on, each with its group size and advantage resolved
         (``env``: the run's ``[env]``, the one source when none are listed)."""
         listed = self.sources or [SourceConfig(name=env.name, env=env)]
-        return [attrs.evolve(s, group_size=s.group_size or self.group_size, advantage=s.advantage or self.advantage)
+        return [attrs.evolve(s, group_size=s.group_size or self.group_size, advantage=s.advantage or self.advantage,
+                             advantage_options=s.advantage_options if s.advantage else self.advantage_options)
                 for s in listed]
 
     def groups_per_batch(self, env: EnvConfig) -> dict[str, int]:
@@ -496,6 +511,10 @@ class RunConfig:
     sft: SftConfig = attrs.field(factory=SftConfig)  # [sft]: the optional warm-up before RL
     launcher: LauncherConfig = attrs.field(factory=LauncherConfig)  # [launcher]
     watchdog: WatchdogConfig = attrs.field(factory=WatchdogConfig)  # [watchdog]: stalls reported, not silent
+    # [monitors.<name>]: where each step's metrics go besides metrics.jsonl (wandb,
+    # tensorboard...), each checked by its monitor's Config; any key of a table switches its
+    # monitor on (docs/monitors.md)
+    monitors: dict[str, MonitorConfig] = attrs.Factory(dict)
 
     def check(self, sources: Mapping[str, str]) -> None:
         """Rules that span fields; each error names the keys involved."""
@@ -614,6 +633,13 @@ def set_dotted(data: dict, dotted: str, value: Any, origin: str, sources: dict[s
 # --------------------------------------------------------------------------------------
 
 
+# keys that became a component's options: the error names where they went
+MOVED_KEYS = {
+    "trainer.kl_coef": "the default loss's trainer.loss_options.kl_tau",
+    "trainer.mask_threshold": "the default loss's trainer.loss_options.dppo_mask_low and dppo_mask_high",
+}
+
+
 def structure(cls: type, data: Any, path: str, sources: Mapping[str, str]) -> Any:
     where = path or "the top level"
     if not isinstance(data, Mapping):
@@ -625,6 +651,8 @@ def structure(cls: type, data: Any, path: str, sources: Mapping[str, str]) -> An
             full = f"{path}.{key}" if path else key
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
+            if full in MOVED_KEYS:
+                hint = f" It is now {MOVED_KEYS[full]}."
             origin = sources.get(full) or _first_source_under(sources, full)
             raise ConfigError(
                 f"unknown key '{full}' ({'from ' + origin if origin else 'no source'}).{hint} "
@@ -854,8 +882,9 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
             sources.setdefault(path, origin)
     inference_cls = _inference_config_class(raw, sources, reg)
     launcher_cls = _plugin_config_class(raw, sources, reg, "launcher.name", "launcher", LauncherConfig)
-    top = {k: v for k, v in raw.items() if k not in plugin_sections and k not in ("inference", "launcher")}
+    top = {k: v for k, v in raw.items() if k not in plugin_sections and k not in ("inference", "launcher", "monitors")}
     cfg = structure(RunConfig, top, "", sources)
+    cfg.monitors = _structure_monitors(raw.get("monitors", {}), sources, reg)
     for section, cls in plugin_classes.items():
         setattr(cfg, section, structure(cls, raw.get(section, {}), section, sources))
     cfg.inference = structure(inference_cls, raw.get("inference", {}), "inference", sources)
@@ -868,6 +897,7 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
     cfg.check(sources)
     _check_model(cfg, reg, sources)
     _check_components(cfg, reg, sources)
+    _check_algorithms(cfg, sources)
     _check_pd(cfg, sources)
     cfg.inference.check(cfg, sources)  # the backend's rules that need the whole run
     return cfg
@@ -912,6 +942,47 @@ def _structure_source(cls: type, table: dict[str, Any], path: str, sources: Mapp
     return out
 
 
+def _structure_monitors(raw: Any, sources: Mapping[str, str], reg: Any) -> dict[str, MonitorConfig]:
+    """The ``[monitors.<name>]`` tables, each checked by its monitor's ``Config``: a table with
+    any key switches its monitor on unless it says ``enabled = false``. Always-on monitors
+    (file) come first, switched on, whether named or not."""
+    from primerl.monitors import with_always_on
+
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"'monitors' ({_src(sources, 'monitors')}) must be a table of tables, one per monitor: "
+                          f"e.g. --monitors.wandb.project NAME, or [monitors.tensorboard] enabled = true")
+    out: dict[str, MonitorConfig] = {}
+    for name, table in raw.items():
+        path = f"monitors.{name}"
+        where = sources.get(path) or _first_source_under(sources, path) or "the defaults"
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{path} (from {where}) must be a table of the monitor's options: "
+                              f"--{path}.enabled true switches it on")
+        registered = {c.name for c in reg.of_kind("monitor")}
+        if name not in registered and name.replace("_", "-") in registered:
+            name = name.replace("_", "-")  # --monitors.my-monitor.key: the command line turns '-' into '_'
+        try:
+            target = reg.load("monitor", name)
+        except PluginError as exc:
+            raise ConfigError(f"{path} (from {where}): {exc}") from None
+        cls = getattr(target, "Config", None) or MonitorConfig
+        if not (isinstance(cls, type) and issubclass(cls, MonitorConfig)):
+            raise ConfigError(f"monitor plugin '{name}' declares Config={cls!r}, which is not a subclass of "
+                              f"primerl's MonitorConfig; fix the plugin")
+        options = structure(cls, table, path, sources)
+        caps = reg.capabilities("monitor", name)
+        if "enabled" not in table:
+            options.enabled = True  # naming a monitor's keys switches it on
+        elif not options.enabled and caps.always_on:
+            raise ConfigError(f"{path}.enabled = false ({_src(sources, path + '.enabled')}): monitor {name!r} is "
+                              f"always on ({caps.why or 'the run needs it'}); drop the key")
+        out[name] = options
+    try:
+        return with_always_on(out, reg)
+    except PluginError as exc:
+        raise ConfigError(f"monitors: an always-on monitor does not load: {exc}") from None
+
+
 def _inference_config_class(raw: Mapping[str, Any], sources: Mapping[str, str], reg: Any) -> type:
     """The class that validates ``[inference]``: the selected backend's ``Config`` (a subclass
     of InferenceConfig adding its own keys, and optionally ``check(run, sources)`` for rules
@@ -953,6 +1024,7 @@ COMPONENT_KEYS = {
     "trainer.parallelism": "parallelism",
     "launcher.name": "launcher",
     "trainer.loss": "loss",
+    "trainer.correction": "correction",
     "orchestrator.advantage": "advantage",
 }
 
@@ -1005,10 +1077,12 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
                 f"--inference.backend vllm on GPUs, or --trainer.weight_channel filesystem (or shm)")
         if key == "trainer.parallelism":
             name = cfg.trainer.resolved_parallelism()
+        if key == "trainer.correction" and not name:
+            continue  # none
         try:
             reg.find(kind, name)
         except PluginError as exc:
-            if kind in ("loss", "advantage") and is_target(name):
+            if kind in ("loss", "correction", "advantage") and is_target(name):
                 continue  # a "module:attr" function, imported (and checked) by the process that uses it
             raise ConfigError(f"{key} = {name!r} ({_src(sources, key)}): {exc}") from None
         options_key = OPTIONS_KEYS.get(key)
@@ -1019,6 +1093,50 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
             if why:
                 where = _first_source_under(sources, options_key) or "the defaults"
                 raise ConfigError(f"{options_key} (from {where}) do not fit {kind} {name!r}: {why}")
+
+
+def _check_algorithms(cfg: RunConfig, sources: Mapping[str, str]) -> None:
+    """The loss, the correction and every advantage estimator build with their options (each
+    checks its own), and what they need of the run: a sequence-level one needs every token
+    of a sample in one forward, which context parallel does not give."""
+    from primerl.advantages import build_advantage
+    from primerl.registry import is_target
+    from primerl.trainer.corrections import build_correction
+    from primerl.trainer.loss import build_loss
+
+    t, o = cfg.trainer, cfg.orchestrator
+    picks = [("trainer.loss", t.loss, "trainer.loss_options", t.loss_options, build_loss),
+             ("trainer.correction", t.correction, "trainer.correction_options", t.correction_options, build_correction),
+             ("orchestrator.advantage", o.advantage, "orchestrator.advantage_options", o.advantage_options,
+              build_advantage)]
+    for i, sc in enumerate(o.sources):
+        if sc.advantage:
+            picks.append((f"orchestrator.sources[{i}].advantage", sc.advantage,
+                          f"orchestrator.sources[{i}].advantage_options", sc.advantage_options, build_advantage))
+    for key, name, options_key, options, build in picks:
+        if not name or is_target(name):
+            if options and not name:
+                raise ConfigError(f"{options_key} ({_src_under(sources, options_key)}) set, but {key} names no "
+                                  f"component: name one, or drop the options")
+            continue  # a "module:attr" factory is built (and checked) by the process that uses it
+        try:
+            built = build(name, options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{options_key} ({_src_under(sources, options_key)}) do not fit {key} {name!r}: "
+                              f"{exc}") from None
+        if key.startswith("trainer.") and built.sequence_level and t.parallel.cp > 1:
+            raise ConfigError(f"{key} = {name!r} ({_src(sources, key)}) works on whole sequences, which context "
+                              f"parallel (trainer.parallel.cp = {t.parallel.cp}) splits over ranks: set cp to 1, "
+                              f"or pick a token-level one")
+    if o.overlong_buffer >= o.max_tokens:
+        raise ConfigError(f"orchestrator.overlong_buffer ({o.overlong_buffer}, {_src(sources, 'orchestrator.overlong_buffer')}) "
+                          f"must be below orchestrator.max_tokens ({o.max_tokens}): the buffer is the last tokens "
+                          f"before the budget")
+
+
+def _src_under(sources: Mapping[str, str], prefix: str) -> str:
+    where = sources.get(prefix) or _first_source_under(sources, prefix)
+    return f"from {where}" if where else "from the defaults"
 
 
 def _check_pd(cfg: RunConfig, sources: Mapping[str, str]) -> None:

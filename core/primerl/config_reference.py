@@ -3,7 +3,8 @@
     python -m primerl.config_reference > docs/configuration.md
 
 One table per section (key | type | default | description), in the order below; a nested
-section (``trainer.parallel``) gets its own table right after its parent's. Types and
+section (``trainer.parallel``) gets its own table right after its parent's, and so does a
+table of named sections (``monitors: dict[str, MonitorConfig]``: ``[monitors.<name>]``). Types and
 defaults come from the attrs fields; a description is the source comment of its field: the
 comment lines directly above it and/or its inline ``# ...`` comment, joined into one line.
 Comments are found with :mod:`tokenize` and fields with :mod:`ast`, so a ``#`` inside a
@@ -37,7 +38,8 @@ then `ep = 2`) or a flag with the whole path (`--trainer.parallel.ep 2`).
 An environment may supply `run_defaults` that sit below every file and flag (reverse-text
 does, so that the quick start learns on a CPU). Plugin sections (`[model]`, `[env]`) are
 validated by the selected plugin's own `Config` class and may have more keys than listed here;
-so is `[inference]` when the backend declares one (vLLM's keys: `docs/vllm.md`).
+so is `[inference]` when the backend declares one (vLLM's keys: `docs/vllm.md`), and each
+`[monitors.<name>]` table by its monitor's (their keys: `docs/monitors.md`).
 
 This file is generated from the config classes and their source comments
 (`core/primerl/config.py`, `ModelConfig` in `core/primerl/models/__init__.py`):
@@ -45,11 +47,12 @@ after changing a key, run `python -m primerl.config_reference > docs/configurati
 """
 
 # RunConfig's sections in the order of the reference; one missing here follows them
-ORDER = ("model", "env", "inference", "orchestrator", "trainer", "sft", "launcher")
+ORDER = ("model", "env", "inference", "orchestrator", "trainer", "sft", "launcher", "monitors")
 # what a heading adds for the sections that plugins extend
 NOTES = {
     "model": "base of every model plugin's config",
     "env": "base of every environment's config",
+    "monitors.<name>": "base of every monitor's options",
 }
 
 
@@ -162,6 +165,14 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and attrs.has(tp)
 
 
+def _named_sections(tp: Any) -> type | None:
+    """The section class of a ``dict[str, Section]`` field (tables by name), else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is dict and len(args) == 2 and args[0] is str and _is_section(args[1]):
+        return args[1]
+    return None
+
+
 def sections(root: type | None = None, path: str = "") -> Iterator[Section]:
     """The reference's sections: ``root`` (RunConfig by default) then its nested sections,
     each followed by its own nested ones."""
@@ -173,14 +184,16 @@ def sections(root: type | None = None, path: str = "") -> Iterator[Section]:
     docs = field_comments(root)
     fields = attrs.fields(root)
     rows = tuple(Row(f.name, type_name(hints[f.name]), default_text(f), docs.get(f.name, ""))
-                 for f in fields if not _is_section(hints[f.name]))
+                 for f in fields if not _is_section(hints[f.name]) and not _named_sections(hints[f.name]))
     yield Section(path, root, rows)
-    nested = [f for f in fields if _is_section(hints[f.name])]
+    nested = [f for f in fields if _is_section(hints[f.name]) or _named_sections(hints[f.name])]
     if not path:
         rank = {name: i for i, name in enumerate(ORDER)}
         nested.sort(key=lambda f: rank.get(f.name, len(ORDER)))
     for f in nested:
-        yield from sections(hints[f.name], f"{path}.{f.name}" if path else f.name)
+        where = f"{path}.{f.name}" if path else f.name
+        named = _named_sections(hints[f.name])
+        yield from sections(named, f"{where}.<name>") if named else sections(hints[f.name], where)
 
 
 def _cell(text: str, prose: bool = False) -> str:

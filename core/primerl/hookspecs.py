@@ -70,7 +70,17 @@ def register_parallelisms(register: Register) -> None:
 def register_losses(register: Register) -> None:
     """Register RL losses, selected by ``trainer.loss``.
 
-    The target is a function with the signature of :class:`primerl.trainer.loss.LossFn`.
+    The target, called with ``trainer.loss_options`` as keywords, returns a
+    :class:`primerl.trainer.loss.Loss`.
+    """
+
+
+@hookspec
+def register_corrections(register: Register) -> None:
+    """Register off-policy corrections, selected by ``trainer.correction``.
+
+    The target, called with ``trainer.correction_options`` as keywords, returns a
+    :class:`primerl.trainer.corrections.Correction`.
     """
 
 
@@ -78,7 +88,18 @@ def register_losses(register: Register) -> None:
 def register_advantages(register: Register) -> None:
     """Register advantage estimators, selected by ``orchestrator.advantage``.
 
-    The target is ``fn(rewards: list[float]) -> list[float]`` for one group of rollouts.
+    The target, called with ``orchestrator.advantage_options`` as keywords, returns a
+    :class:`primerl.advantages.Advantage` (a batch's groups of rewards in, advantages out).
+    """
+
+
+@hookspec
+def register_monitors(register: Register) -> None:
+    """Register monitors, switched on by ``[monitors.<name>]`` tables (several at once).
+
+    The target is a class, instantiated with its options (its ``Config``, a subclass of
+    :class:`primerl.monitors.MonitorConfig`), satisfying :class:`primerl.monitors.Monitor`:
+    each trainer step's metrics record, and a few rollouts every ``samples_every`` steps.
     """
 
 

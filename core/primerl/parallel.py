@@ -173,6 +173,10 @@ class Parallelism(Protocol):
         split the batch (data and context parallel); the same result on every rank."""
         ...
 
+    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a float64 vector of per-rank maxima) maximised over the same ranks."""
+        ...
+
     def full_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """``(unit, {name: full tensor})`` for each unit of the layout, in its order, with
         the names of ``model.state_dict()``; together the units cover every tensor once.

@@ -52,7 +52,9 @@ HOOK_KINDS: dict[str, str] = {
     "register_inference_backends": "inference_backend",
     "register_launchers": "launcher",
     "register_losses": "loss",
+    "register_corrections": "correction",
     "register_advantages": "advantage",
+    "register_monitors": "monitor",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_KINDS.values())
 
@@ -366,6 +368,10 @@ def capabilities_record(kind: str) -> type | None:
         from primerl.parallel import ParallelismCapabilities
 
         return ParallelismCapabilities
+    if kind == "monitor":
+        from primerl.monitors import MonitorCapabilities
+
+        return MonitorCapabilities
     return None
 
 

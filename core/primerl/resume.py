@@ -56,8 +56,8 @@ from primerl.rundir import (
     write_atomically,
 )
 
-# config keys that may differ when a run is continued: where it runs and how it is served
-# or laid out, not what it trains (checkpoints reshard onto any trainer layout); raising
+# config keys that may differ when a run is continued: where it runs, how it is served
+# or laid out and where its metrics go, not what it trains (checkpoints reshard onto any trainer layout); raising
 # max_steps continues training (a cosine or linear decay then stretches to the new end)
 MAY_CHANGE = (
     "max_steps", "output_dir",
@@ -66,7 +66,7 @@ MAY_CHANGE = (
     "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.nproc", "trainer.parallelism",
     "trainer.parallel.*",
     "orchestrator.eval_every", "orchestrator.eval_tasks", "orchestrator.eval_temperature",
-    "launcher.*",
+    "launcher.*", "monitors.*",
 )
 # what a run writes, set aside when it starts over (the launcher rewrites config.toml)
 RUN_FILES = ("config.toml", "metrics.jsonl", "reward.png", "rollouts", "weights", "checkpoints", "logs")

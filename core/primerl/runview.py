@@ -135,11 +135,20 @@ def plot_rewards(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def _newer(path: Path, than: Path) -> bool:
+    try:
+        return path.stat().st_mtime >= than.stat().st_mtime
+    except OSError:
+        return False
+
+
 def summarize(run_dir: RunDir, *, logs_note: str = "", extra: tuple[tuple[str, object], ...] = ()) -> None:
     """What a finished run made: the reward's first and last 10 steps, and where things are
     (``extra``: more ``(label, path)`` lines, e.g. a Slurm job's scripts)."""
     rows = read_metrics(run_dir.metrics)
-    png = plot_rewards(rows, run_dir.reward_plot) if rows else None
+    png = None
+    if rows:  # the file monitor draws it as the trainer finishes; here again when the trainer did not get there
+        png = run_dir.reward_plot if _newer(run_dir.reward_plot, run_dir.metrics) else plot_rewards(rows, run_dir.reward_plot)
     print()
     if rows:
         first = [r["reward/mean"] for r in rows[:10]]

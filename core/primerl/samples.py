@@ -48,6 +48,7 @@ class Sample:
     # engine routed each input token to (R3); the last sampled token was never an input
     routed_experts: Any = None
     task_id: str = ""
+    source: str = ""  # the source it trains for (orchestrator.sources; [env]'s name alone); "" when unknown
     episode: int | None = None  # agent envs: the episode within its group (advantages are per episode)
     turns: int | None = None  # multi-turn envs: model turns in the sample
 

@@ -148,3 +148,24 @@ def test_evaluation_runs_each_eval_task_once_and_reaches_the_next_batch(tmp_path
     assert metrics["eval/tasks"] == 3 and metrics["eval/errors"] == 0 and metrics["eval/policy_version"] == 0
     assert 0.0 <= metrics["eval/reward/mean"] <= 1.0
     assert orch.eval_results == []
+
+
+def test_uniform_groups_are_skipped_and_overlong_turns_shaped_before_the_advantage(tmp_path):
+    """DAPO's dynamic sampling (a group whose rewards are all alike is replaced) and its soft
+    overlong punishment (a turn inside the buffer before max_tokens loses reward for the
+    advantage, not in reward/mean)."""
+    orch = make_orchestrator(tmp_path, max_steps=1, batch_size=4, group_size=2, async_level=0, advantage="grpo",
+                             skip_uniform_groups="true", max_tokens=4, overlong_buffer=2)
+    # completions of 2 sampled tokens: at max_tokens - buffer, no penalty; 3 tokens: half of it
+    long = group((0, 0), reward=(1.0, 0.0))
+    long.samples[1] = Sample(tokens=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], logprobs=[0.0, -1.0, -1.0, -1.0],
+                             versions=[-1, 0, 0, 0], reward=0.0)
+    for g in [group((0, 0), reward=(0.0, 0.0)), group((0, 0)), long]:
+        orch.sources[0].finished.put_nowait(g)
+    asyncio.run(orch.write_batches())
+    batch = read_batch(RunDir(tmp_path).batch(1))
+    assert batch.metrics["skipped_uniform"] == 1  # the all-zero group
+    assert [s.reward for s in batch.samples] == [0.0, 1.0, 1.0, 0.0]  # rewards as the env gave them
+    # the long group's rewards as the advantage sees them: 1.0 and 0.0 - 0.5
+    assert [s.advantage for s in batch.samples] == [-0.5, 0.5, 0.75, -0.75]
+    assert batch.metrics["overlong/penalty_mean"] == pytest.approx(-0.5 / 4)

@@ -59,11 +59,11 @@ def checkpoint_then_resume(model_name: str, parallel: dict, directory: str, save
         model, optimizer, _ = strategy.parallelize(model, mesh, lambda m: make_optimizer(m, 1e-2, 0.0))
         scheduler = make_scheduler(optimizer, cfg)
         if save:
-            from primerl.trainer.loss import get_loss
+            from primerl.trainer.loss import build_loss
             from primerl.trainer.packing import pack
             from primerl.trainer.step import rl_step
 
-            rl_step(model, optimizer, pack(samples(model.config.vocab_size), 96), get_loss("default"), cfg, strategy)
+            rl_step(model, optimizer, pack(samples(model.config.vocab_size), 96), build_loss("default"), cfg, strategy)
             scheduler.step()
             save_checkpoint(run, 1, model, optimizer, scheduler, adapter=adapter, tokenizer=None,
                             parallelism=strategy)

@@ -140,7 +140,7 @@ def test_rl_step_reports_routing_agreement_and_mismatch(tiny):
     import copy
 
     from primerl.config import RunConfig
-    from primerl.trainer.loss import get_loss
+    from primerl.trainer.loss import build_loss
     from primerl.trainer.step import rl_step
 
     adapter, model = tiny
@@ -154,12 +154,12 @@ def test_rl_step_reports_routing_agreement_and_mismatch(tiny):
         cfg.trainer.router_replay = replay
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=0.0)
-        stats = rl_step(m, opt, pack(samples, seq_len=128), get_loss("default"), cfg, load_parallelism("single"))
+        stats = rl_step(m, opt, pack(samples, seq_len=128), build_loss("default"), cfg, load_parallelism("single"))
         assert stats["routing_agreement"] == pytest.approx(1.0)
         assert {f"routing_agreement/layer_{i}" for i in range(3)} <= set(stats)
     shifted = [attrs.evolve(s, routed_experts=(s.routed_experts.long() + 1) % 8) for s in samples]
     m = copy.deepcopy(model)
-    stats = rl_step(m, torch.optim.SGD(m.parameters(), lr=0.0), pack(shifted, seq_len=128), get_loss("default"), cfg,
+    stats = rl_step(m, torch.optim.SGD(m.parameters(), lr=0.0), pack(shifted, seq_len=128), build_loss("default"), cfg,
                     load_parallelism("single"))
     assert stats["routing_agreement"] < 0.5
     assert stats["mismatch_kl"] > 0  # inference logprobs here are made up, so they mismatch

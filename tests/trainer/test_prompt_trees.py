@@ -10,7 +10,7 @@ import torch
 from primerl.config import RunConfig
 from primerl.models import ModelConfig
 from primerl.samples import Sample
-from primerl.trainer.loss import get_loss
+from primerl.trainer.loss import build_loss
 from primerl.trainer.main import load_parallelism, share_prompts
 from primerl.trainer.packing import pack
 from primerl.trainer.step import rl_step, row_forward
@@ -161,7 +161,7 @@ def test_tree_step_has_the_same_loss_and_gradients(model, layout, monkeypatch):
         m = copy.deepcopy(model)
         m.train()
         packed = pack(samples, 256, share_prompts=share)
-        stats[share] = rl_step(m, torch.optim.SGD(m.parameters(), lr=0.0), packed, get_loss("default"), cfg,
+        stats[share] = rl_step(m, torch.optim.SGD(m.parameters(), lr=0.0), packed, build_loss("default"), cfg,
                                load_parallelism("single"))
         grads[share] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
     assert stats[True]["loss"] == pytest.approx(stats[False]["loss"], abs=1e-6)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from primerl.advantages import compute_advantages
+from primerl.advantages import GRPO
 from primerl.config import ConfigSources, load_config
 from primerl.envs.multiturn import prompt_ids
 from primerl.rundir import STABLE, TRAINER_STATE, RunDir
@@ -31,7 +31,7 @@ def _config(out: Path, **overrides):
         "env.name": "reverse-text",
         "trainer.seq_len": 128, "trainer.lr": 3e-3, "trainer.router_replay": True,
         "trainer.lr_schedule": "constant", "trainer.warmup_steps": 0, "trainer.checkpoint_every": 0,
-        "trainer.loss": "default", "trainer.kl_coef": 0.0, "trainer.weight_decay": 0.0,
+        "trainer.loss": "default", "trainer.weight_decay": 0.0,
         "sft.steps": 0,  # pinned: an env's run defaults may ask for a warm-up
         "orchestrator.batch_size": 4, "orchestrator.group_size": 2,
     }
@@ -73,7 +73,7 @@ def _write_rollouts(cfg, steps):
                     task_id=task.id,
                 ))
                 rewards.append(samples[-1].reward)
-            for s, a in zip(samples[-2:], compute_advantages(rewards, "grpo"), strict=True):
+            for s, a in zip(samples[-2:], GRPO()([rewards])[0], strict=True):
                 s.advantage = a
         metrics = {"reward/mean": 0.5, "dropped_stale": 0}
         write_batch(run.batch(n), RolloutBatch(step=n, samples=samples, metrics=metrics))

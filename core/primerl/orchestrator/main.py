@@ -63,7 +63,7 @@ from typing import Any
 import attrs
 
 from primerl import watchdog
-from primerl.advantages import compute_advantages
+from primerl.advantages import Advantage, build_advantage, compute_advantages
 from primerl.config import EnvConfig, EvalSourceConfig, RunConfig, SourceConfig
 from primerl.envs import Environment, Task, TaskError
 from primerl.envs.rollouts import RolloutContext
@@ -189,6 +189,38 @@ class Failures:
         return out
 
 
+SKIP_UNIFORM_MAX = 4  # orchestrator.skip_uniform_groups skips at most this many batches' worth of groups per batch
+
+
+def uniform(group: Group) -> bool:
+    """Every episode of the group has the same reward: a group-relative advantage is 0 for all."""
+    return len({s.reward for s in group.samples}) <= 1
+
+
+def episodes_of(group: Group) -> dict[Any, tuple[float, list[Sample]]]:
+    """The group's episodes in order, each its reward and its samples (an agent env's
+    episode may train as several samples; a sample without an episode is one)."""
+    out: dict[Any, tuple[float, list[Sample]]] = {}
+    for i, s in enumerate(group.samples):
+        key = s.episode if s.episode is not None else i
+        out.setdefault(key, (s.reward, []))[1].append(s)
+    return out
+
+
+def overlong_penalty(samples: list[Sample], o: Any) -> float:
+    """DAPO's soft overlong punishment of an episode (0 unless ``orchestrator.overlong_buffer``):
+    with L = max_tokens and B the buffer, a model turn of n tokens (the episode's mean) costs
+    0 up to L - B, (L - B - n) / B x overlong_penalty inside the buffer, -overlong_penalty at L."""
+    if not o.overlong_buffer:
+        return 0.0
+    turns = sum(s.turns or 1 for s in samples)
+    n = sum(s.sampled_tokens for s in samples) / max(turns, 1)
+    start = o.max_tokens - o.overlong_buffer
+    if n <= start:
+        return 0.0
+    return -o.overlong_penalty * min((n - start) / o.overlong_buffer, 1.0)
+
+
 @attrs.define(eq=False)
 class Source:
     """One environment the run trains on (``orchestrator.sources``, or ``[env]`` alone): its
@@ -201,6 +233,7 @@ class Source:
     workers: EnvWorkers | None
     quota: int  # groups in every batch
     seed: Any  # shuffles its train split, each epoch
+    advantage: Advantage  # its estimator (orchestrator.advantage, or its own)
     finished: asyncio.Queue = attrs.Factory(asyncio.Queue)  # its finished groups, not in a batch yet
     batching: list[Group] = attrs.Factory(list)  # its groups of the batch being filled
     pending: dict[int, Task] = attrs.Factory(dict)  # drawn tasks in no batch yet, by draw
@@ -262,7 +295,7 @@ class Orchestrator:
             kind, workers = self._rollout_kind(env_i, sc.env)
             seed = cfg.seed if len(listed) == 1 else f"{cfg.seed}/{sc.name}"
             self.sources.append(Source(cfg=sc, env=env_i, kind=kind, workers=workers, quota=quotas[sc.name],
-                                       seed=seed))
+                                       seed=seed, advantage=build_advantage(sc.advantage, sc.advantage_options)))
         self.by_name = {src.name: src for src in self.sources}
         self.groups_per_batch = sum(src.quota for src in self.sources)
         self.eval_sources: list[tuple[EvalSourceConfig, Environment, Any, EnvWorkers | None]] = []
@@ -470,7 +503,7 @@ class Orchestrator:
     async def write_batches(self) -> None:
         last = time.monotonic()
         for n in range(self.resume_step + 1, self.cfg.max_steps + 1):
-            dropped = 0
+            dropped = skipped = 0
             for src in self.sources:  # each its quota of groups, the first of them to finish
                 while len(src.batching) < src.quota:
                     watchdog.doing(f"filling batch {n}: {len(src.batching)} of {src.quota} groups of {src.name}")
@@ -480,6 +513,9 @@ class Orchestrator:
                     if staleness > self.o.max_off_policy_steps:
                         dropped += len(group.samples)  # a fresh group takes its place
                         continue
+                    if self.o.skip_uniform_groups and uniform(group) and skipped < SKIP_UNIFORM_MAX * self.groups_per_batch:
+                        skipped += 1  # DAPO's dynamic sampling: no signal in it; a fresh group takes its place
+                        continue
                     src.batching.append(group)
             groups = [g for src in self.sources for g in src.batching]
             self.cancel_hopeless(n + 1)
@@ -488,14 +524,18 @@ class Orchestrator:
                                          pending=tuple((i, t.id) for i, t in sorted(src.pending.items())))
                 for src in self.sources})
             samples: list[Sample] = []
-            for g in groups:
-                # one advantage per episode (an agent env's episode may train as several samples)
-                episodes = {s.episode if s.episode is not None else i: s.reward for i, s in enumerate(g.samples)}
-                estimator = self.by_name[g.source].cfg.advantage
-                advantage = dict(zip(episodes, compute_advantages(list(episodes.values()), estimator)))
-                for i, s in enumerate(g.samples):
-                    s.advantage = float(advantage[s.episode if s.episode is not None else i])
-                    samples.append(s)
+            penalties: list[float] = []
+            for src in self.sources:  # its estimator over its groups of the batch, one advantage per episode
+                episodes = [episodes_of(g) for g in src.batching]  # (an agent env's episode may be several samples)
+                shaped = [[reward + overlong_penalty(ep, self.o) for reward, ep in e.values()] for e in episodes]
+                penalties += [overlong_penalty(ep, self.o) for e in episodes for _, ep in e.values()]
+                advantages = compute_advantages(shaped, src.advantage, src.cfg.advantage)
+                for g, e, adv in zip(src.batching, episodes, advantages, strict=True):
+                    by_episode = dict(zip(e, adv, strict=True))
+                    for i, s in enumerate(g.samples):
+                        s.advantage = by_episode[s.episode if s.episode is not None else i]
+                        s.source = src.name
+                        samples.append(s)
             now = time.monotonic()
             rewards = [s.reward for s in samples]
             staleness = [(n - 1) - g.oldest_version for g in groups]
@@ -507,6 +547,8 @@ class Orchestrator:
                 "off_policy/max": max(staleness),
                 "off_policy/mean": sum(staleness) / len(staleness),
                 "dropped_stale": dropped,
+                **({"skipped_uniform": skipped} if self.o.skip_uniform_groups else {}),
+                **({"overlong/penalty_mean": sum(penalties) / len(penalties)} if self.o.overlong_buffer else {}),
                 **self.failures.take_metrics(),
                 **self.client.take_metrics(),
                 "inference/policy_version": self.version,

@@ -14,8 +14,9 @@ What it does, in order (files per docs/architecture.md, paths from ``RunDir``):
    publish v0 as ``weights/step_000000`` so the orchestrator can start.
 3. For n = start+1 .. max_steps: wait for ``rollouts/step_n.pt``, read it
    (``primerl.samples.read_batch``), pack it, one optimizer step, publish
-   ``weights/step_n`` + ``STABLE``, prune old weights, append a line to
-   ``metrics.jsonl``, checkpoint every ``trainer.checkpoint_every`` steps and at the end
+   ``weights/step_n`` + ``STABLE``, prune old weights, hand the step's metrics to the
+   monitors (``metrics.jsonl`` first, then W&B, TensorBoard... as ``[monitors]`` says;
+   :mod:`primerl.monitors`), checkpoint every ``trainer.checkpoint_every`` steps and at the end
    (keeping the newest ``trainer.keep_checkpoints``).
 
 With several ranks every rank reads every batch and packs it the same way; the strategy
@@ -41,15 +42,16 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from primerl import watchdog
-from primerl.config import RunConfig
+from primerl.config import RunConfig, to_dict
 from primerl.errors import PluginError, PrimerlError
+from primerl.monitors import MonitorSet, RunInfo, sample_rows
 from primerl.parallel import Parallelism, barrier, device_mesh, init_trainer_group, is_publisher, world_size
 from primerl.resume import set_aside_checkpoint, trim_metrics, usable_checkpoint
 from primerl.rundir import RunDir, step_name
 from primerl.samples import read_batch
 from primerl.trainer import log
-from primerl.trainer.loss import LossFn, get_loss
-from primerl.trainer.metrics import append_metrics
+from primerl.trainer.corrections import Correction, build_correction
+from primerl.trainer.loss import Loss, build_loss
 from primerl.trainer.optim import make_optimizer, make_scheduler
 from primerl.trainer.packing import pack
 from primerl.trainer.publish import (
@@ -138,10 +140,12 @@ def main(cfg: RunConfig) -> None:
                            "visible): set --trainer.device cpu or auto")
     if problem := t.precision_problem(device):
         raise PrimerlError(problem)
-    loss_fn = get_loss(t.loss)  # fail fast on a bad name
+    loss_fn = build_loss(t.loss, t.loss_options)  # fail fast on a bad name or option
+    correction = build_correction(t.correction, t.correction_options)
     parallelism = load_parallelism(t.resolved_parallelism())
     owns_group = init_trainer_group(device)
     watchdog.start(f"trainer-{torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}", run, cfg)
+    monitors = MonitorSet.for_run(cfg, log=log) if is_publisher() else MonitorSet()  # the publishing rank's
     watchdog.doing("loading the model", busy=True)
     try:
         adapter, model, tokenizer = build_model(cfg)
@@ -178,13 +182,16 @@ def main(cfg: RunConfig) -> None:
             model, optimizer, layout = parallelism.parallelize(
                 model, mesh, lambda m: make_optimizer(m, t.lr, t.weight_decay))
             log(f"parallelism {layout.describe()}")
-            train(cfg, run, model, optimizer, loss_fn, parallelism, adapter=adapter, tokenizer=tokenizer,
-                  resume=resume)
+            train(cfg, run, model, optimizer, loss_fn, parallelism, correction=correction, adapter=adapter, tokenizer=tokenizer,
+                  resume=resume, monitors=monitors)
     finally:
-        if owns_group:
-            import torch.distributed as dist
+        try:
+            monitors.finish()  # reward.png, and every dashboard flushed, also when the trainer fails
+        finally:
+            if owns_group:
+                import torch.distributed as dist
 
-            dist.destroy_process_group()
+                dist.destroy_process_group()
 
 
 def share_prompts(cfg: RunConfig, model: torch.nn.Module) -> bool:
@@ -199,8 +206,9 @@ def share_prompts(cfg: RunConfig, model: torch.nn.Module) -> bool:
     return True
 
 
-def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-          parallelism: Parallelism, *, adapter: Any, tokenizer: Any, resume: tuple[int, Path] | None) -> None:
+def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Loss,
+          parallelism: Parallelism, *, correction: Correction | None = None, adapter: Any, tokenizer: Any,
+          resume: tuple[int, Path] | None, monitors: MonitorSet) -> None:
     """Resume or start (SFT, v0), then one RL step per batch until ``max_steps``."""
     t = cfg.trainer
     scheduler = make_scheduler(optimizer, cfg)
@@ -251,6 +259,8 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         publish(0)
         log(f"published weights/{step_name(0)} (v0{' after SFT' if cfg.sft.steps else ''})")
 
+    monitors.start(RunInfo(output_dir=run.root, name=run.root.resolve().name, config=to_dict(cfg), start_step=start,
+                           max_steps=cfg.max_steps, log=log))
     keep = cfg.orchestrator.max_off_policy_steps + 2
     share = share_prompts(cfg, model)
     replay_warned = False
@@ -267,7 +277,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             log("trainer.router_replay is on but the batch's samples carry no routed_experts: not replaying")
             replay_warned = True
         lr = optimizer.param_groups[0]["lr"]
-        stats = rl_step(model, optimizer, packed, loss_fn, cfg, parallelism)
+        stats = rl_step(model, optimizer, packed, loss_fn, cfg, parallelism, correction)
         scheduler.step()
         with watchdog.waiting("publish", f"publishing weights v{n}"):
             publish(n)
@@ -293,13 +303,16 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             "trainer/loss_tokens": packed.num_loss_tokens,
             "trainer/rows": packed.num_rows,
         }
-        if is_publisher():
-            append_metrics(run, record)
+        monitors.log(n, record)  # metrics.jsonl first (the file monitor), then the others
+        if monitors.wants_samples(n):
+            monitors.log_samples(n, sample_rows(n, batch.samples, tokenizer))
         watchdog.advance()
         last_end = t_end
         log(f"step {n}/{cfg.max_steps} samples {len(batch.samples)} rows {packed.num_rows} "
             f"tokens {packed.num_tokens} loss {stats['loss']:.4f} mismatch_kl {stats['mismatch_kl']:.2e} "
-            f"masked {stats['masked_fraction']:.3f} grad_norm {stats['grad_norm']:.3f} lr {lr:.2e} "
+            f"masked {stats['masked_fraction']:.3f} "
+            + (f"clipped {stats['clipped_fraction']:.3f} " if "clipped_fraction" in stats else "")
+            + f"grad_norm {stats['grad_norm']:.3f} lr {lr:.2e} "
             f"step {step_s:.2f}s wait {t_start - t_wait:.2f}s"
             + (f" routing_agreement {stats['routing_agreement']:.3f}" if "routing_agreement" in stats else ""))
 

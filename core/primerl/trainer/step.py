@@ -19,12 +19,14 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import attrs
 import torch
 
 from primerl.config import RunConfig, TrainerConfig
 from primerl.parallel import Parallelism, world_size
 from primerl.sampling import token_logprobs
-from primerl.trainer.loss import LossFn
+from primerl.trainer.corrections import Correction
+from primerl.trainer.loss import Loss, LossInputs
 from primerl.trainer.packing import PackedBatch
 
 
@@ -112,18 +114,26 @@ def rl_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     packed: PackedBatch,
-    loss_fn: LossFn,
+    loss_fn: Loss,
     cfg: RunConfig,
     parallelism: Parallelism,
+    correction: Correction | None = None,
 ) -> dict[str, float]:
     """One optimizer step over every packed row (gradients accumulated over forwards of
     ``trainer.micro_batch_rows`` rows each; with several ranks each runs its share and the
-    gradients add up over ranks). Returns the step's stats for metrics.jsonl."""
+    gradients add up over ranks), the loss's per-token terms weighted by ``correction``'s
+    weights when there is one. Returns the step's stats for metrics.jsonl."""
     t = cfg.trainer
     normalizer = float(max(packed.num_loss_tokens, 1))  # the whole batch's, on every rank
+    # every sample's loss tokens in the whole step (the batch is whole on every rank), for
+    # the losses that normalise per sequence
+    loss_index = packed.sample_index[packed.loss_mask]
+    per_sample = torch.bincount(loss_index, minlength=int(packed.sample_index.max()) + 1).float()  # [S]
+    step_samples = float((per_sample > 0).sum())
     replay = t.router_replay and packed.replay_experts is not None
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {"loss": 0.0}  # token sums of the loss's metrics, and the loss
+    maxima: dict[str, float] = {}  # the metrics ending in /max
     agreed, routed_tokens = None, 0  # per-layer token counts of trainer/inference routing agreement
     balancer = RouterBalancer(model, t.router_bias_update_rate, parallelism)
     alone = world_size() == 1  # with other ranks, every forward runs: they wait for its collectives
@@ -138,18 +148,30 @@ def rl_step(
             agree = routing_agreement(out.router_experts, row["replay_experts"], real)
             agreed = agree if agreed is None else agreed + agree
             routed_tokens += int(real.sum())
-        loss, metrics = loss_fn(
-            lp[real],
-            row["inference_logprobs"][real],
-            row["advantages"][real],
-            mask[real],
-            config=t,
-            normalizer=normalizer,
+        logprobs, inference_logprobs, loss_mask = lp[real], row["inference_logprobs"][real], mask[real]  # [N]
+        sample_ids = row["sample_index"][real]  # [N]
+        x = LossInputs(
+            logprobs=logprobs, inference_logprobs=inference_logprobs,
+            old_logprobs=inference_logprobs if correction is None else logprobs.detach(),
+            advantages=row["advantages"][real], loss_mask=loss_mask, weights=torch.ones_like(inference_logprobs),
+            sample_ids=sample_ids, sample_loss_tokens=per_sample.to(sample_ids.device)[sample_ids],
+            step_loss_tokens=normalizer, step_samples=step_samples, max_tokens=cfg.orchestrator.max_tokens,
         )
+        metrics: dict[str, Any] = {}
+        if correction is not None:
+            weights, metrics = correction.weights(x)
+            x = attrs.evolve(x, weights=weights.detach())
+        loss, loss_metrics = loss_fn(x)
         loss.backward()
         sums["loss"] += float(loss.detach())
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
+        with torch.no_grad():  # k3 = r - log r - 1: the KL between engine and trainer on the sampled tokens
+            log_ratio = torch.where(loss_mask, logprobs.detach() - inference_logprobs, torch.zeros_like(logprobs))
+            metrics["mismatch_kl"] = (log_ratio.exp() - log_ratio - 1).sum()
+        for key, value in {**metrics, **loss_metrics}.items():
+            if key.endswith("/max"):
+                maxima[key] = max(maxima.get(key, float("-inf")), float(value))
+            else:
+                sums[key] = sums.get(key, 0.0) + float(value)
     grad_norm = parallelism.clip_grad_norm_(model, t.max_grad_norm)
     optimizer.step()
     balancer.step()
@@ -161,6 +183,10 @@ def rl_step(
     vector = parallelism.sum_over_ranks(vector)
     totals = dict(zip(keys, vector[: len(keys)].tolist(), strict=True))
     stats = {k: v / normalizer for k, v in totals.items() if k != "loss"}
+    if maxima:
+        keys_max = sorted(maxima)
+        stats.update(zip(keys_max, parallelism.max_over_ranks(
+            torch.tensor([maxima[k] for k in keys_max], dtype=torch.float64)).tolist(), strict=True))
     stats.setdefault("mismatch_kl", 0.0)
     stats.setdefault("masked_fraction", 0.0)
     stats.update(loss=totals["loss"], grad_norm=grad_norm)

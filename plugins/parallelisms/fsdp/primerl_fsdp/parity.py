@@ -53,7 +53,7 @@ def step_on_layout(model_name: str, parallel: dict[str, int], replay: bool = Fal
     from primerl.models import ModelConfig
     from primerl.parallel import device_mesh, world_size
     from primerl.registry import get_registry
-    from primerl.trainer.loss import get_loss
+    from primerl.trainer.loss import build_loss
     from primerl.trainer.main import load_parallelism
     from primerl.trainer.packing import pack
     from primerl.trainer.step import rl_step
@@ -74,7 +74,7 @@ def step_on_layout(model_name: str, parallel: dict[str, int], replay: bool = Fal
     settings = cfg.trainer.parallel.resolved(world_size())
     with device_mesh(strategy.mesh_shape(world_size(), settings)) as mesh:
         model, optimizer, _ = strategy.parallelize(model, mesh, lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
-        stats = rl_step(model, optimizer, pack(batch, seq_len), get_loss("default"), cfg, strategy)
+        stats = rl_step(model, optimizer, pack(batch, seq_len), build_loss("default"), cfg, strategy)
         grads = full_gradients(model, strategy)
     out = {"loss": stats["loss"], "grad_norm": stats["grad_norm"]}
     if not dist.is_initialized() or dist.get_rank() == 0:

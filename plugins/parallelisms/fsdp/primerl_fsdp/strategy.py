@@ -187,6 +187,11 @@ class FSDP:
         dist.all_reduce(out)
         return out
 
+    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out
+
     # -- weights out -------------------------------------------------------------------
 
     def full_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:

@@ -66,6 +66,9 @@ class Single:
     def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
+    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
     def full_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """The model's own tensors (views, no copies), grouped by unit in the layout's order."""
         parts: dict[str, dict[str, torch.Tensor]] = {unit: {} for unit in self.units}

@@ -1,0 +1,1 @@
+"""The ``tensorboard`` monitor plugin (see :mod:`primerl_tensorboard.monitor`)."""

@@ -1,0 +1,1 @@
+"""The ``wandb`` monitor plugin (see :mod:`primerl_wandb.monitor`)."""
