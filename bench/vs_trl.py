@@ -125,15 +125,25 @@ def _cpu_seconds(pid: int) -> dict[str, float]:
     return seconds
 
 
-def trl_run(out: Path, steps: int, attn: str, threads: int) -> float:
+def trl_run(out: Path, steps: int, attn: str, threads: int, preset: str = "tiny") -> float:
     """One TRL run in a process of its own (``--trl-only``): rollouts/s."""
+    return trl_run_stats(out, steps, attn, threads, preset)["rollouts_per_s"]
+
+
+def trl_run_stats(out: Path, steps: int, attn: str, threads: int, preset: str = "tiny") -> dict:
+    """One TRL run in a process of its own: rollouts/s and the prompt and completion tokens
+    of its timed steps (what :func:`trl_rollouts_per_s` returns)."""
     cmd = [sys.executable, __file__, "--trl-only", attn, "--trl-threads", str(threads), "--steps", str(steps),
-           "--out", str(out)]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
-    return json.loads(done.stdout.strip().splitlines()[-1])["rollouts_per_s"]
+           "--out", str(out), "--preset", preset]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"the TRL run failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def trl_rollouts_per_s(out: Path, steps: int, attn: str, threads: int) -> float:
+def trl_rollouts_per_s(out: Path, steps: int, attn: str, threads: int, preset: str = "tiny") -> dict:
+    """TRL's GRPOTrainer on ``preset`` of GLM-5: rollouts/s between the end of its first step
+    and of its last, and the mean prompt and completion tokens of a timed step."""
     import torch
     from datasets import Dataset
     from primerl_reverse_text.env import ReverseText, ReverseTextConfig, lcs_ratio
@@ -144,10 +154,10 @@ def trl_rollouts_per_s(out: Path, steps: int, attn: str, threads: int) -> float:
     from primerl.registry import get_registry
 
     adapter = get_registry().load("model", "glm5")()
-    cfg = ModelConfig(name="glm5", preset="tiny", seed=0)
+    cfg = ModelConfig(name="glm5", preset=preset, seed=0)
     ours = adapter.build(cfg)
     tok = adapter.tokenizer(cfg)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**adapter.hf_config("tiny")),
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**adapter.hf_config(preset)),
                                              attn_implementation=attn)
     model.load_state_dict(ours.state_dict(), strict=False)
 
@@ -155,7 +165,12 @@ def trl_rollouts_per_s(out: Path, steps: int, attn: str, threads: int) -> float:
     tasks = list(env.tasks("train"))
     data = Dataset.from_list([{"prompt": t.messages(), "answer": t.answer} for t in tasks])
 
-    def reward(completions, answer, **_):
+    tokens: list[tuple[int, int]] = []  # per reward call (one step's batch): (prompt, completion) tokens
+    prompt_len = {t.answer: len(tok.apply_chat_template(t.messages(), add_generation_prompt=True)) for t in tasks}
+
+    def reward(completions, answer, completion_ids=None, **_):
+        done = sum(map(len, completion_ids)) if completion_ids is not None else 0
+        tokens.append((sum(prompt_len[a] for a in answer), done))
         return [lcs_ratio(c[0]["content"].strip() if isinstance(c, list) else c.strip(), a)
                 for c, a in zip(completions, answer)]
 
@@ -176,7 +191,10 @@ def trl_rollouts_per_s(out: Path, steps: int, attn: str, threads: int) -> float:
                           processing_class=tok, callbacks=[Clock()])
     torch.set_num_threads(threads)
     trainer.train()
-    return SAMPLES_PER_STEP * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    timed = tokens[1:] or tokens
+    return {"rollouts_per_s": SAMPLES_PER_STEP * (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+            "prompt_tokens_per_step": statistics.mean(p for p, _ in timed),
+            "completion_tokens_per_step": statistics.mean(c for _, c in timed)}
 
 
 def matmul_gflops(repeat: int = 5) -> float:
@@ -203,13 +221,13 @@ def matmul_gflops(repeat: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
-def active_params() -> int:
+def active_params(preset: str = "tiny") -> int:
     """Parameters a token's forward multiplies by (see the module docstring)."""
     from primerl.models import ModelConfig
     from primerl.models.layers import Experts
     from primerl.registry import get_registry
 
-    model = get_registry().load("model", "glm5")().build(ModelConfig(name="glm5", preset="tiny", seed=0))
+    model = get_registry().load("model", "glm5")().build(ModelConfig(name="glm5", preset=preset, seed=0))
     k = model.config.num_experts_per_tok
     skip = {id(model.input_embeddings().weight)}
     skip |= {id(p) for n, p in model.named_parameters() if ".indexer." in n}
@@ -232,13 +250,14 @@ def main() -> None:
     ap.add_argument("--trl-only", choices=("eager", "sdpa"), help=argparse.SUPPRESS)  # one TRL run (a child)
     ap.add_argument("--trl-threads", type=int, default=os.cpu_count() or 2, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--preset", default="tiny", help=argparse.SUPPRESS)  # the TRL child's preset
     args = ap.parse_args()
     try:
         import trl
     except ImportError:
         sys.exit("this benchmark needs TRL: pip install -r requirements-bench.txt")
     if args.trl_only:
-        print(json.dumps({"rollouts_per_s": trl_rollouts_per_s(args.out, args.steps, args.trl_only, args.trl_threads)}))
+        print(json.dumps(trl_rollouts_per_s(args.out, args.steps, args.trl_only, args.trl_threads, args.preset)))
         return
 
     ours: list[dict] = []

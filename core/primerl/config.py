@@ -296,6 +296,11 @@ class TrainerConfig:
     # trainer processes (ranks) per node, started with torchrun when more than one; on
     # GPUs usually one per GPU
     nproc: int = attrs.field(default=1, validator=_positive)
+    # CPU threads of the trainer (its ranks split them); 0: its share of the cores (with
+    # three roles on one machine, half of them). More than its share overlaps the cores the
+    # engine leaves idle (worth it on matmul-bound models: bench/utilisation.py); the
+    # launcher then makes idle OpenMP threads sleep instead of spin (OMP_WAIT_POLICY)
+    threads: int = attrs.field(default=0, validator=_non_negative)
     # where the trainer runs: "auto" is CUDA when present (bf16 compute, fp32 master
     # weights), else the CPU (fp32)
     device: Literal["auto", "cpu", "cuda"] = "auto"

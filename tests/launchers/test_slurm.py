@@ -386,3 +386,26 @@ def test_a_stalled_job_is_named_and_cancelled(slurm, tmp_path):
     report = (out / "logs" / "watchdog.log").read_text()
     assert "== orchestrator" in report and "stacks:" in report
     assert _queue(slurm, _job_id(stdout)) == ""
+
+
+def test_trainer_threads_reach_the_trainer_locally_and_under_slurm(tmp_path):
+    """``trainer.threads`` gives the trainer more than its share of the cores; idle OpenMP
+    threads then sleep (OMP_WAIT_POLICY=PASSIVE) in every role, so the overlap costs little."""
+    from primerl_local.launcher import child_env
+
+    from primerl.config import load_config, split_args
+
+    base = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cfg = load_config(split_args(["--model.name", "glm5", "--env.name", "reverse-text"]))
+    assert child_env("trainer", cfg, base) == base  # default: the share, no wait policy
+    cfg = load_config(split_args(["--model.name", "glm5", "--env.name", "reverse-text", "--trainer.threads", "2"]))
+    if "OMP_WAIT_POLICY" not in os.environ:
+        assert child_env("trainer", cfg, base) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+                                                   "OMP_WAIT_POLICY": "PASSIVE"}
+        assert child_env("inference", cfg, base)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert child_env("inference", cfg, base)["OMP_NUM_THREADS"] == "1"
+    out = tmp_path / "run"
+    r = primerl("run", "--model", "glm5", "--env", "reverse-text", "--launcher", "slurm", "--trainer.threads", "4",
+                "--dry-run", "--output-dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "export OMP_NUM_THREADS=4 MKL_NUM_THREADS=4 OMP_WAIT_POLICY=PASSIVE" in (out / "slurm" / "trainer.sh").read_text()

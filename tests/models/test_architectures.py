@@ -34,9 +34,9 @@ def arch(request):
     return name, adapter, model
 
 
-def hf_twin(adapter, model):
+def hf_twin(adapter, model, preset="tiny"):
     """transformers' own model class for the preset, holding our weights."""
-    config = transformers.AutoConfig.for_model(**adapter.hf_config("tiny"))
+    config = transformers.AutoConfig.for_model(**adapter.hf_config(preset))
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     hf.load_state_dict(model.state_dict(), strict=True)
     return hf.eval()
@@ -80,6 +80,19 @@ def test_logits_match_transformers(arch):
     out = forward(model, ids, torch.tensor([40, 23])).logits
     torch.testing.assert_close(out[1, :23], forward(model, ids[1:, :23]).logits[0], atol=TOL, rtol=0)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_small_preset_is_tens_of_millions_of_parameters_and_matches_transformers(name):
+    """``small`` (bench/utilisation.py's preset): the same architecture at hidden 512-1024."""
+    adapter = get_registry().load("model", name)()
+    model = adapter.build(ModelConfig(name=name, preset="small", seed=0)).eval()
+    assert 512 <= adapter.hf_config("small")["hidden_size"] <= 1024
+    assert 10e6 <= sum(p.numel() for p in model.parameters()) <= 100e6
+    ids = random_ids(2, 40, seed=1)
+    with torch.no_grad():
+        ref = hf_twin(adapter, model, "small")(ids).logits
+    torch.testing.assert_close(forward(model, ids).logits, ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("unpack", [True, False], ids=["one-sequence-per-row", "masked-rows"])

@@ -279,6 +279,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         lr = optimizer.param_groups[0]["lr"]
         stats = rl_step(model, optimizer, packed, loss_fn, cfg, parallelism, correction)
         scheduler.step()
+        t_publish = time.perf_counter()
         with watchdog.waiting("publish", f"publishing weights v{n}"):
             publish(n)
         t_end = time.perf_counter()
@@ -295,6 +296,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             "time/step": t_end - (last_end if last_end is not None else t_wait),  # wall time of this step
             "time/train": step_s,  # the trainer's own compute, batch in hand to weights published
             "time/wait": t_start - t_wait,
+            "time/publish": t_end - t_publish,  # of time/train: the weights written for inference
             "time/end": time.time(),
             "trainer/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
             "trainer/tokens": packed.num_tokens,

@@ -136,11 +136,17 @@ def start_run_service(cfg: RunConfig, run_dir: RunDir) -> Any:
 
 
 def child_env(name: str, cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
-    """The trainer's ranks share its share of the cores; so do the inference servers."""
+    """The trainer's ranks share its share of the cores (``trainer.threads`` when set); so
+    do the inference servers. A trainer given more than its share overlaps the others'
+    cores, so every child's idle OpenMP threads then sleep rather than spin (spinning
+    threads of one process take the core another needs)."""
+    if cfg.trainer.threads and "OMP_WAIT_POLICY" not in os.environ:
+        env = {**env, "OMP_WAIT_POLICY": "PASSIVE"}
+    total = cfg.trainer.threads if name == "trainer" and cfg.trainer.threads else int(env["OMP_NUM_THREADS"])
     split = {"trainer": cfg.trainer.nproc, "inference": len(inference_names(cfg))}.get(name, 1)
-    if split == 1:
+    if split == 1 and total == int(env["OMP_NUM_THREADS"]):
         return env
-    threads = str(max(1, int(env["OMP_NUM_THREADS"]) // split))
+    threads = str(max(1, total // split))
     return {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 

@@ -353,6 +353,8 @@ def role_scripts(cfg: RunConfig, lay: Layout) -> dict[str, str]:
                    f'-m primerl.cli trainer {files}')
     else:
         trainer = f"exec {cli} trainer {files}"
+    if cfg.trainer.threads:  # trainer.threads replaces the task's share of the node's cores
+        trainer = f"export OMP_NUM_THREADS={cfg.trainer.threads} MKL_NUM_THREADS={cfg.trainer.threads} OMP_WAIT_POLICY=PASSIVE\n" + trainer
     if nproc > 1:  # torchrun's ranks split the task's threads
         trainer = f't=$(( ${{OMP_NUM_THREADS:-{nproc}}} / {nproc} )); export OMP_NUM_THREADS=$(( t > 0 ? t : 1 )) MKL_NUM_THREADS=$(( t > 0 ? t : 1 ))\n' + trainer
     server = (f'{cli} inference {files} --inference.host "$JOB_BIND" --inference.port "${{ports[$SLURM_LOCALID]}}"'

@@ -117,7 +117,17 @@ FULL: dict[str, Any] = {
     "dtype": "bfloat16",
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "full": FULL}
+# ``small``: tiny's layers at hidden 512 (about 22M parameters, 11M active a token), so
+# that a step's matmuls, not per-op overhead, take most of its time on a CPU core
+# (bench/utilisation.py measures how much of the machine the loop uses on it).
+SMALL: dict[str, Any] = {
+    **TINY, "hidden_size": 512, "intermediate_size": 1536, "moe_intermediate_size": 384,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 128,
+    "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "qk_head_dim": 96, "head_dim": 32, "v_head_dim": 64,
+    "index_head_dim": 64,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "small": SMALL, "full": FULL}
 
 
 def preset_config(preset: str) -> dict[str, Any]:

@@ -114,7 +114,15 @@ FULL: dict[str, Any] = {
 # picks on CPU (docs/vllm.md). About 2.2M parameters; everything else as ``tiny``.
 TINY_VLLM: dict[str, Any] = {**TINY, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
 
-PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "full": FULL, "tiny-vllm": TINY_VLLM}
+# ``small``: tiny's layers at hidden 512 (about 22M parameters, 10M active a token), where a
+# step's matmuls dominate on a CPU core (bench/utilisation.py)
+SMALL: dict[str, Any] = {
+    **TINY, "hidden_size": 512, "intermediate_size": 1536, "moe_intermediate_size": 384,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 128,
+    "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "small": SMALL, "full": FULL, "tiny-vllm": TINY_VLLM}
 
 
 def moe_layer_flags(hf: dict[str, Any]) -> list[bool]:

@@ -121,7 +121,15 @@ FULL: dict[str, Any] = {
     "dtype": "bfloat16",
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "full": FULL}
+# ``small``: tiny's layers at hidden 512 (Mamba-2 heads 16 x 32), where a step's matmuls
+# dominate on a CPU core (bench/utilisation.py)
+SMALL: dict[str, Any] = {
+    **TINY, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "intermediate_size": 1536, "mamba_num_heads": 16, "mamba_head_dim": 32, "ssm_state_size": 32,
+    "moe_intermediate_size": 384, "moe_shared_expert_intermediate_size": 768,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "small": SMALL, "full": FULL}
 
 
 def layer_kinds(hf: dict[str, Any]) -> list[str]:

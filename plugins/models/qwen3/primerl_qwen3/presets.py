@@ -69,9 +69,17 @@ def _published(hidden: int, inter: int, layers: int, heads: int, tied: bool) -> 
     }
 
 
+# ``small``: tiny's layers at hidden 768 (about 30M parameters), where a step's matmuls
+# dominate on a CPU core (bench/utilisation.py)
+SMALL: dict[str, Any] = {
+    **TINY, "hidden_size": 768, "intermediate_size": 2304, "num_attention_heads": 12,
+    "num_key_value_heads": 4, "head_dim": 64,
+}
+
 # https://huggingface.co/Qwen/Qwen3-0.6B, Qwen3-8B and Qwen3-32B (config.json)
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": TINY,
+    "small": SMALL,
     "0.6b": _published(1024, 3072, 28, 16, tied=True),
     "8b": _published(4096, 12288, 36, 32, tied=False),
     "full": _published(5120, 25600, 64, 64, tied=False),

@@ -80,7 +80,14 @@ FULL: dict[str, Any] = {
     "dtype": "bfloat16",
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "full": FULL}
+# ``small``: tiny's layers at hidden 512, where a step's matmuls dominate on a CPU core
+# (bench/utilisation.py)
+SMALL: dict[str, Any] = {
+    **TINY, "hidden_size": 512, "intermediate_size": 1536, "moe_intermediate_size": 384,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY, "small": SMALL, "full": FULL}
 
 
 def num_experts(hf: dict[str, Any]) -> int:
