@@ -70,17 +70,23 @@ def _metrics(x: LossInputs, rho: Tensor, w: Tensor) -> dict[str, Any]:
 _LEVEL = attrs.validators.in_(("token", "sequence"))
 
 
+class _Leveled:
+    """A correction whose ``level`` says whether it weighs tokens or whole sequences."""
+
+    level: str
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.level != "token"
+
+
 @attrs.frozen(kw_only=True)
-class TIS:
+class TIS(_Leveled):
     """``tis``: truncated importance sampling, w = min(rho, cap); rho of the token, or of
     the whole sequence (the product of its tokens' ratios) at ``level = "sequence"``."""
 
     cap: float = attrs.field(default=2.0, converter=float, validator=_positive)
     level: Level = attrs.field(default="token", validator=_LEVEL)
-
-    @property
-    def sequence_level(self) -> bool:
-        return self.level != "token"
 
     def weights(self, x: LossInputs) -> tuple[Tensor, dict[str, Any]]:
         import torch
@@ -92,7 +98,7 @@ class TIS:
 
 
 @attrs.frozen(kw_only=True)
-class MIS:
+class MIS(_Leveled):
     """``mis``: masked importance sampling, w = rho where floor <= rho <= cap, else 0 (the
     token, or at ``level = "sequence"`` the whole sequence, is dropped); at ``level =
     "geometric"`` the sequence's geometric-mean ratio decides and a kept sequence weighs 1
@@ -107,10 +113,6 @@ class MIS:
     def __attrs_post_init__(self) -> None:
         if self.floor >= self.cap:
             raise ValueError(f"floor ({self.floor}) must be below cap ({self.cap})")
-
-    @property
-    def sequence_level(self) -> bool:
-        return self.level != "token"
 
     def weights(self, x: LossInputs) -> tuple[Tensor, dict[str, Any]]:
         import torch
