@@ -226,8 +226,9 @@ def test_a_lora_run_publishes_merged_weights_checkpoints_a_peft_adapter_and_resu
         frozen = base(input_ids=ids).logits
         adapted = PeftModel.from_pretrained(base, ckpt / "adapter").eval()(input_ids=ids).logits
         served = AutoModelForCausalLM.from_pretrained(out / "weights" / "step_000003")(input_ids=ids).logits
-    torch.testing.assert_close(adapted, served, atol=1e-5, rtol=0)
-    assert (adapted - frozen).abs().max() > 1e-4  # the adapters moved
+    # x(W + sBA) against xW + s(xA)B in float32: equal up to rounding (1e-5 seen at |logit| 0.63)
+    torch.testing.assert_close(adapted, served, atol=1e-5, rtol=1e-4)
+    assert (adapted - frozen).abs().max() > 1e-3  # the adapters moved, far past the rounding
 
 
 def test_lora_learns_the_quick_start(tmp_path):
