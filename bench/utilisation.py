@@ -29,11 +29,15 @@ TRL's GRPOTrainer runs the same preset and task (bench/vs_trl.py's runner: its t
 chosen by a short probe, the faster of eager and sdpa attention not probed: sdpa), its
 useful FLOPs counted the same way (it prefills every sample's prompt and trains every
 sample's whole sequence), and its utilisation over the same two-core rate, side by side.
-Both are timed from the end of their first step to the end of their last.
+Both are timed from the end of their first step to the end of their last. Each system
+runs as configured for a matmul-bound model: TRL with its probed threads, primerl with
+``--trainer.threads 2`` (the trainer's threads over both cores, overlapping the core the
+engine leaves idle, as ``trainer.threads`` advises); ``--primerl-args ""`` measures the
+default share (one core each).
 
     pip install -r requirements-bench.txt      # trl
     python bench/utilisation.py                # final line: {"loop_utilisation": ..., "vs_trl": ...}
-    python bench/utilisation.py --primerl-args "--orchestrator.async_level 2"
+    python bench/utilisation.py --primerl-args "--trainer.threads 2 --orchestrator.async_level 2"
 """
 
 from __future__ import annotations
@@ -256,7 +260,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="timed primerl steps (after a first one)")
     ap.add_argument("--trl-steps", type=int, default=3, help="timed TRL steps (after a first one)")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--primerl-args", default="", help="more `primerl run` options")
+    ap.add_argument("--primerl-args", default="--trainer.threads 2", help="more `primerl run` options")
     ap.add_argument("--no-trl", action="store_true", help="primerl only")
     ap.add_argument("--gemm-only", action="store_true", help=argparse.SUPPRESS)  # one core's GEMM rate (a child)
     args = ap.parse_args()
@@ -305,7 +309,7 @@ def main() -> None:
     result = {
         "bench": "utilisation", "model": "glm5", "preset": args.preset, "active_params": active,
         "steps": run["steps"], "rounds": args.rounds,
-        **({"primerl_args": args.primerl_args} if args.primerl_args else {}),
+        "primerl_args": args.primerl_args,
         "machine_gflops": round(machine, 1), "per_core_gflops": round(per_core, 1),
         "decode_gflops": round(statistics.median(x["decode_per_core"] for x in rates), 1),
         "rollouts_per_s": round(run["rollouts_per_s"], 3), "off_policy_mean": round(run["off_policy"], 2),

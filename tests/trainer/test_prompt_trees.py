@@ -185,3 +185,55 @@ def test_models_with_recurrent_layers_pack_whole_samples():
     assert share_prompts(cfg, glm5) is True
     cfg.trainer.share_prompts = False
     assert share_prompts(cfg, glm5) is False
+
+
+def test_joined_rows_keep_every_segment_apart():
+    """join_rows lays rows end to end: the tails go, each row's segment (and prefix) ids
+    follow the previous row's, and an empty row stays one position of its own segment."""
+    from primerl.trainer.packing import join_rows
+
+    p = pack(_groups(3, 4, seed=8), 64, share_prompts=True)
+    rows = p.select([*range(p.num_rows), None])
+    joined = join_rows(rows)
+    n = int(rows["lengths"].sum())
+    assert joined["input_ids"].shape == (1, n) and joined["lengths"].tolist() == [n]
+    assert joined["replay_experts"] is None and rows["prefix_ids"] is not None
+    seg, pre = joined["segment_ids"][0], joined["prefix_ids"][0]
+    assert (seg[1:] >= seg[:-1]).all() and (pre <= seg).all() and (pre >= 0).all()
+    offset = 0
+    for r, length in enumerate(rows["lengths"].tolist()):
+        own = slice(offset, offset + length)
+        assert torch.equal(joined["input_ids"][0, own], rows["input_ids"][r, :length])
+        assert torch.equal(joined["positions"][0, own], rows["positions"][r, :length])
+        # a row's segments are its own: none shares an id with another row's
+        assert set(seg[own].tolist()).isdisjoint(seg[:offset].tolist())
+        offset += length
+    assert joined["sample_index"][0, -1] == -1  # the empty row
+
+
+@pytest.mark.parametrize("name", ["glm5", "kimi", "qwen3-moe", "qwen3", "minimax", "nemotron"])
+def test_a_step_over_joined_rows_has_the_same_loss_and_gradients(name):
+    """Each forward's rows as one row without padding (the models' varlen_rows): the same
+    loss, mismatch and gradients as the padded rows, prompt trees included."""
+    from primerl.registry import get_registry
+
+    adapter = get_registry().load("model", name)()
+    assert adapter.capabilities(ModelConfig()).varlen_rows
+    model = adapter.build(ModelConfig(seed=5))
+    samples = _groups(4, 6, seed=9, prompt=(10, 30), completion=(3, 30))
+    cfg = RunConfig()
+    cfg.trainer.micro_batch_rows = 3
+    grads, stats = {}, {}
+    for join in (False, True):
+        m = copy.deepcopy(model)
+        m.train()
+        packed = pack(samples, 128, share_prompts=share_prompts(cfg, m))
+        assert packed.num_rows > 1 and packed.num_tokens < packed.input_ids.numel()  # rows with tails
+        stats[join] = rl_step(m, torch.optim.SGD(m.parameters(), lr=0.0), packed, build_loss("default"), cfg,
+                              load_parallelism("single"), join=join)
+        grads[join] = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    assert stats[True]["loss"] == pytest.approx(stats[False]["loss"], abs=1e-6)
+    assert stats[True]["mismatch_kl"] == pytest.approx(stats[False]["mismatch_kl"], rel=1e-4)
+    assert grads[True].keys() == grads[False].keys()
+    for n, g in grads[False].items():
+        torch.testing.assert_close(grads[True][n], g, atol=1e-5, rtol=1e-4, msg=n)

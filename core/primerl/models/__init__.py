@@ -65,6 +65,9 @@ class ModelCapabilities:
     router_replay: bool = False  # trainer.router_replay: the trainer can route as inference did
     fp8: bool = False  # trainer.fp8: its linears train in block-scaled FP8
     lora: bool = False  # trainer.lora: its projections are nn.Linear modules that adapters can wrap
+    # its attention follows the segment ids, not the rows (varlen): the trainer runs each
+    # forward's packed rows as one row without padding (masked rows would cost N^2)
+    varlen_rows: bool = False
 
 
 class ModelAdapter:

@@ -210,6 +210,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
           parallelism: Parallelism, *, correction: Correction | None = None, adapter: Any, tokenizer: Any,
           resume: tuple[int, Path] | None, monitors: MonitorSet) -> None:
     """Resume or start (SFT, v0), then one RL step per batch until ``max_steps``."""
+    join = adapter.capabilities(cfg.model).varlen_rows  # each forward's rows as one, without padding
     t = cfg.trainer
     scheduler = make_scheduler(optimizer, cfg)
 
@@ -254,7 +255,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             log(f"no checkpoint to resume from: an earlier attempt's metrics.jsonl is kept as {kept}")
         if cfg.sft.steps > 0:
             watchdog.doing("the SFT warm-up", busy=True)
-            sft_warmup(cfg, model, tokenizer, parallelism)
+            sft_warmup(cfg, model, tokenizer, parallelism, join=join)
             seed_everything(cfg.seed)  # RL draws the same randomness with or without SFT
         publish(0)
         log(f"published weights/{step_name(0)} (v0{' after SFT' if cfg.sft.steps else ''})")
@@ -277,7 +278,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             log("trainer.router_replay is on but the batch's samples carry no routed_experts: not replaying")
             replay_warned = True
         lr = optimizer.param_groups[0]["lr"]
-        stats = rl_step(model, optimizer, packed, loss_fn, cfg, parallelism, correction)
+        stats = rl_step(model, optimizer, packed, loss_fn, cfg, parallelism, correction, join=join)
         scheduler.step()
         t_publish = time.perf_counter()
         with watchdog.waiting("publish", f"publishing weights v{n}"):

@@ -123,6 +123,35 @@ class PackedBatch:
         return out
 
 
+def join_rows(rows: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """Packed rows ``[k, m, ...]`` (:meth:`PackedBatch.select`) as one row ``[1, N, ...]`` of
+    their ``N = sum(lengths)`` valid positions, row after row, each row's segments renumbered
+    after the previous row's: no padding left for the linear layers to compute. Only for a
+    model whose attention follows the segments, not the rows (``varlen_rows``): with a
+    masked row, attention would cost N^2 instead of the sum of the rows' m^2."""
+    lengths = rows["lengths"]
+    ids = rows["input_ids"]
+    if lengths is None or ids is None or ids.shape[0] == 1:
+        return rows
+    k, m = ids.shape
+    valid = torch.arange(m, device=ids.device)[None, :] < lengths[:, None]  # [k, m]
+    segments = rows["segment_ids"]
+    assert segments is not None, "packed rows carry segment ids"
+    count = segments.max(1).values + 1  # [k] segments per row (ids 0.., -1 on the tail)
+    first = count.cumsum(0) - count  # [k] the first new id of each row's segments
+    out: dict[str, Tensor | None] = {}
+    for name, t in rows.items():
+        if t is None:
+            out[name] = None
+        elif name == "lengths":
+            out[name] = lengths.sum().reshape(1)  # [1]
+        elif name in ("segment_ids", "prefix_ids"):
+            out[name] = (t + first[:, None])[valid][None]  # [1, N]
+        else:
+            out[name] = t[valid][None]  # [1, N, ...]
+    return out
+
+
 def _as_list(value: Any) -> list:
     return value.tolist() if isinstance(value, Tensor) else list(value)
 

@@ -47,8 +47,10 @@ def sft_samples(env: Any, tasks: list[Any], tokenizer: Any) -> list[Sample]:
     return samples
 
 
-def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, parallelism: Parallelism) -> None:
-    """``sft.steps`` steps of cross-entropy on answer tokens, ``sft.batch_size`` tasks each."""
+def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, parallelism: Parallelism, *,
+               join: bool = False) -> None:
+    """``sft.steps`` steps of cross-entropy on answer tokens, ``sft.batch_size`` tasks each
+    (``join``: each forward's rows as one row, as in :func:`primerl.trainer.step.rl_step`)."""
     from primerl.lora import is_adapter
     from primerl.registry import get_registry
 
@@ -58,13 +60,14 @@ def sft_warmup(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, paralleli
         for n, p in model.named_parameters():
             p.requires_grad_(not is_adapter(n))
     try:
-        _warm_up(cfg, model, tokenizer, parallelism, env)
+        _warm_up(cfg, model, tokenizer, parallelism, env, join)
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(trains[n])
 
 
-def _warm_up(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, parallelism: Parallelism, env: Any) -> None:
+def _warm_up(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, parallelism: Parallelism, env: Any,
+             join: bool) -> None:
     s = cfg.sft
     optimizer = make_optimizer(model, s.lr, cfg.trainer.weight_decay)
     balancer = RouterBalancer(model, cfg.trainer.router_bias_update_rate, parallelism)
@@ -88,7 +91,7 @@ def _warm_up(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, parallelism
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for row in micro_batches(packed, parallelism, cfg.trainer.micro_batch_rows,
-                                 torch.device(cfg.trainer.resolved_device())):
+                                 torch.device(cfg.trainer.resolved_device()), join=join):
             real = row["sample_index"] >= 0  # [k, m]: tokens of samples
             mask = row["loss_mask"] & real  # [k, m]
             if alone and not bool(mask.any()):

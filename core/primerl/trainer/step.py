@@ -27,7 +27,7 @@ from primerl.parallel import Parallelism, world_size
 from primerl.sampling import token_logprobs
 from primerl.trainer.corrections import Correction
 from primerl.trainer.loss import Loss, LossInputs
-from primerl.trainer.packing import PackedBatch
+from primerl.trainer.packing import PackedBatch, join_rows
 
 
 def compute_precision(t: TrainerConfig) -> AbstractContextManager:
@@ -100,13 +100,16 @@ class RouterBalancer:
 
 
 def micro_batches(packed: PackedBatch, parallelism: Parallelism, rows_per_forward: int,
-                  device: torch.device | None = None) -> Iterator[dict[str, torch.Tensor | None]]:
+                  device: torch.device | None = None, *, join: bool = False) -> Iterator[dict[str, torch.Tensor | None]]:
     """This rank's share of the packed rows, ``rows_per_forward`` rows per forward, cut to
     its share of their tokens, on ``device``. Every rank yields as many as the others
-    (empty rows pad the last ones): the forward's collectives need every rank."""
+    (empty rows pad the last ones): the forward's collectives need every rank. ``join``:
+    each forward's rows as one row without padding (:func:`join_rows`; the model's
+    ``varlen_rows``)."""
     mine = parallelism.local_rows(packed.num_rows)
     for i in range(0, len(mine), rows_per_forward):
-        rows = parallelism.local_tokens(packed.select(mine[i : i + rows_per_forward]))
+        rows = packed.select(mine[i : i + rows_per_forward])
+        rows = parallelism.local_tokens(join_rows(rows) if join else rows)
         yield rows if device is None or device.type == "cpu" else {k: v if v is None else v.to(device) for k, v in rows.items()}
 
 
@@ -118,11 +121,14 @@ def rl_step(
     cfg: RunConfig,
     parallelism: Parallelism,
     correction: Correction | None = None,
+    *,
+    join: bool = False,
 ) -> dict[str, float]:
     """One optimizer step over every packed row (gradients accumulated over forwards of
     ``trainer.micro_batch_rows`` rows each; with several ranks each runs its share and the
     gradients add up over ranks), the loss's per-token terms weighted by ``correction``'s
-    weights when there is one. Returns the step's stats for metrics.jsonl."""
+    weights when there is one; ``join``: each forward's rows as one row without
+    padding (the model's ``varlen_rows``). Returns the step's stats for metrics.jsonl."""
     t = cfg.trainer
     normalizer = float(max(packed.num_loss_tokens, 1))  # the whole batch's, on every rank
     # every sample's loss tokens in the whole step (the batch is whole on every rank), for
@@ -137,7 +143,8 @@ def rl_step(
     agreed, routed_tokens = None, 0  # per-layer token counts of trainer/inference routing agreement
     balancer = RouterBalancer(model, t.router_bias_update_rate, parallelism)
     alone = world_size() == 1  # with other ranks, every forward runs: they wait for its collectives
-    for row in micro_batches(packed, parallelism, t.micro_batch_rows, torch.device(t.resolved_device())):
+    for row in micro_batches(packed, parallelism, t.micro_batch_rows, torch.device(t.resolved_device()),
+                             join=join):
         real = row["sample_index"] >= 0  # [k, m]: tokens of samples (not padding, not an empty row)
         mask = row["loss_mask"] & real  # [k, m]
         if alone and not bool(mask.any()):

@@ -76,9 +76,10 @@ class ReverseText(SingleTurnEnv):
         "orchestrator": {"batch_size": 64, "group_size": 8, "max_tokens": 24, "temperature": 1.3,
                          "async_level": 1, "max_off_policy_steps": 4, "advantage": "grpo_std"},
         # Adam moves every weight by about lr per step: RL on a 1M-parameter model wants a small lr
-        # rows of 128 tokens: a step's rows (20-30) in one forward, not four; fewer, larger
-        # ops (the trainer's CPU per step -15% against 8 rows per forward)
-        "trainer": {"lr": 4e-4, "seq_len": 128, "micro_batch_rows": 32, "warmup_steps": 2},
+        # a step's rows in one forward (fewer, larger ops); rows of 512 tokens hold whole
+        # groups (prompt trees: one prompt, 8 completions), so few rows end part-empty, and
+        # a model with varlen_rows runs them as one row without padding (about 2-3 rows a step)
+        "trainer": {"lr": 4e-4, "seq_len": 512, "micro_batch_rows": 32, "warmup_steps": 2},
         "inference": {"max_model_len": 256, "max_batch_size": 64, "kv_slots": 160},
     }
 

@@ -28,7 +28,8 @@ class Glm5(HFModelAdapter):
     presets = tuple(PRESETS)
     preset_configs = PRESETS
     model_types = ("glm_moe_dsa",)
-    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True, lora=True)
+    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True, lora=True,
+                                 varlen_rows=True)
     model_class = "primerl_glm5.model:Glm5ForCausalLM"
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:

@@ -24,7 +24,8 @@ class MiniMax(HFModelAdapter):
     presets = tuple(PRESETS)
     preset_configs = PRESETS
     model_types = ("minimax_m2",)
-    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True, lora=True)
+    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True, lora=True,
+                                 varlen_rows=True)
     model_class = "primerl_minimax.model:MiniMaxM2ForCausalLM"
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:

@@ -23,7 +23,7 @@ class Nemotron(HFModelAdapter):
     preset_configs = PRESETS
     model_types = ("nemotron_h",)
     # context parallel cannot split a Mamba-2 scan (its state would pass from rank to rank)
-    supports = ModelCapabilities(expert_parallel=True, router_replay=True, fp8=True, lora=True)
+    supports = ModelCapabilities(expert_parallel=True, router_replay=True, fp8=True, lora=True, varlen_rows=True)
     model_class = "primerl_nemotron.model:NemotronForCausalLM"
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:

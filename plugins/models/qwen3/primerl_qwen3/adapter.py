@@ -18,7 +18,7 @@ class Qwen3(HFModelAdapter):
     presets = tuple(PRESETS)
     preset_configs = PRESETS
     model_types = ("qwen3",)
-    supports = ModelCapabilities(context_parallel=True, fp8=True, lora=True)
+    supports = ModelCapabilities(context_parallel=True, fp8=True, lora=True, varlen_rows=True)
     model_class = "primerl_qwen3.model:Qwen3ForCausalLM"
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:

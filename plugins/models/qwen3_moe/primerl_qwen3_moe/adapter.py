@@ -17,7 +17,8 @@ class Qwen3Moe(HFModelAdapter):
     presets = tuple(PRESETS)
     preset_configs = PRESETS
     model_types = ("qwen3_moe",)
-    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True, lora=True)
+    supports = ModelCapabilities(expert_parallel=True, context_parallel=True, router_replay=True, fp8=True, lora=True,
+                                 varlen_rows=True)
     model_class = "primerl_qwen3_moe.model:Qwen3MoeForCausalLM"
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:

@@ -74,7 +74,8 @@ def step_on_layout(model_name: str, parallel: dict[str, int], replay: bool = Fal
     settings = cfg.trainer.parallel.resolved(world_size())
     with device_mesh(strategy.mesh_shape(world_size(), settings)) as mesh:
         model, optimizer, _ = strategy.parallelize(model, mesh, lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
-        stats = rl_step(model, optimizer, pack(batch, seq_len), build_loss("default"), cfg, strategy)
+        stats = rl_step(model, optimizer, pack(batch, seq_len), build_loss("default"), cfg, strategy,
+                        join=adapter.capabilities(ModelConfig(name=model_name)).varlen_rows)  # as the trainer runs
         grads = full_gradients(model, strategy)
     out = {"loss": stats["loss"], "grad_norm": stats["grad_norm"]}
     if not dist.is_initialized() or dist.get_rank() == 0:
