@@ -5,6 +5,7 @@ client against a real `primerl inference` process. Runs where verifiers 0.4 is i
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -241,6 +242,23 @@ def test_bad_config_is_one_line():
         with pytest.raises(ValueError, match=message) as info:
             list(VerifiersEnv(config(**kw)).tasks("train"))
         assert "\n" not in str(info.value)
+
+
+def test_uv_comes_from_the_venv_that_runs_or_is_asked_for(tmp_path, monkeypatch):
+    """A venv used without being activated still gives the subprocess runtime its uv (else
+    verifiers would try to download uv); with no uv anywhere the run stops in one line."""
+    import sysconfig
+
+    from primerl_verifiers.v1 import _ensure_uv
+
+    scripts = sysconfig.get_path("scripts")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    _ensure_uv()
+    assert os.environ["PATH"].split(os.pathsep)[0] == scripts
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))
+    with pytest.raises(ValueError, match=r"env.runtime: .*uv, which is not installed; .* -m pip install uv$"):
+        _ensure_uv()
 
 
 @pytest.mark.slow

@@ -27,6 +27,9 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
+import sys
+import sysconfig
 import tempfile
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
@@ -125,6 +128,19 @@ def _check_installed(key: str, ident: str) -> None:
         raise ValueError(f"env.{key}: verifiers finds no {kind} {ident!r} installed; {fix}") from None
 
 
+def _ensure_uv() -> None:
+    """The subprocess runtime runs verifiers' harness programs with ``uv`` found on ``PATH``
+    (else it tries to download uv from astral.sh, which fails offline). A venv used without
+    being activated (``/path/venv/bin/primerl run``) has uv in its scripts folder but not on
+    ``PATH``: put that folder first, as activating it would; no uv anywhere is one line."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("uv") is None and shutil.which("uv", path=scripts):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    if shutil.which("uv") is None:
+        raise ValueError(f"env.runtime: verifiers' subprocess runtime runs its harness with uv, which is not "
+                         f"installed; {sys.executable} -m pip install uv")
+
+
 def _config_key(loc: tuple[Any, ...]) -> str:
     """primerl's ``[env]`` key for where verifiers' config validation failed."""
     head, rest = (loc[0], loc[1:]) if loc else ("", ())
@@ -161,6 +177,8 @@ class V1Bridge:
             c = self.config
             _check_installed("id", c.id)
             _check_installed("harness", c.harness)
+            if c.runtime == "subprocess":
+                _ensure_uv()
             spec = {"taskset": {"id": c.id, **c.args},
                     "agent": {"harness": {"id": c.harness}, "runtime": {"type": c.runtime}, "max_turns": c.max_turns}}
             try:
