@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -285,6 +286,14 @@ def _env_for(ctx: typer.Context, name: str, tasks: str | None):
 # --------------------------------------------------------------------------------------
 
 
+def _has_checkpoints(output_dir: str) -> bool:
+    """Whether the run directory already holds checkpoints (the run resumes from trained weights)."""
+    from primerl.rundir import RunDir
+
+    folder = RunDir(Path(output_dir)).checkpoints
+    return folder.is_dir() and any(folder.iterdir())
+
+
 def _resolve(ctx: typer.Context, explicit: dict[str, Any]):
     from primerl.config import load_config, split_args
 
@@ -320,6 +329,11 @@ def run(
             raise PrimerlError(f"model.checkpoint {cfg.model.checkpoint}: its tokenizer has no chat template, which "
                                f"every env renders its prompts with: add one (chat_template in tokenizer_config.json, "
                                f"or chat_template.jinja) or use a checkpoint of an instruct/chat model")
+    elif cfg.sft.steps == 0 and not dry_run and not _has_checkpoints(cfg.output_dir):
+        # a random-weight preset with no warm-up samples bytes no reward function can grade
+        typer.echo(f"note: model {cfg.model.name} starts from random weights (preset '{cfg.model.preset}') and "
+                   f"sft.steps is 0, so it earns reward only once it stumbles on the answer format; "
+                   f"--sft.steps 70 warms it up on the env's reference answers first (docs/configuration.md, [sft])")
     if dry_run and not get_registry().capabilities("launcher", cfg.launcher.name).dry_run:
         typer.echo(dump_toml(to_dict(cfg)), nl=False)
         return

@@ -57,6 +57,8 @@ def test_third_party_env_trains_three_steps(venv, tmp_path):
     assert (out / "reward.png").stat().st_size > 0
     assert (out / "weights" / "step_000003" / "STABLE").exists()
     assert "reward curve" in r.stdout
+    # a random-weight preset with no warm-up: the run says how to give RL something to improve
+    assert "starts from random weights (preset 'tiny') and sft.steps is 0" in " ".join(r.stdout.split())
     # the same command again says the run is finished, where its results are and how to train
     # again, exits 0, and clobbers nothing
     again = subprocess.run([str(venv), "-m", "primerl.cli", "run", "--model", "glm5", "--env", "echo-digits",
@@ -212,6 +214,7 @@ def test_a_lora_run_publishes_merged_weights_checkpoints_a_peft_adapter_and_resu
            "--trainer.nproc", nproc]
     r = subprocess.run([*cmd, "--max-steps", "2"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "random weights" not in r.stdout  # a warm-up is on
     r = subprocess.run([*cmd, "--max-steps", "3"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     log = (out / "logs" / "trainer.log").read_text()
