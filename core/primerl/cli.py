@@ -329,7 +329,7 @@ def run(
             raise PrimerlError(f"model.checkpoint {cfg.model.checkpoint}: its tokenizer has no chat template, which "
                                f"every env renders its prompts with: add one (chat_template in tokenizer_config.json, "
                                f"or chat_template.jinja) or use a checkpoint of an instruct/chat model")
-    elif cfg.sft.steps == 0 and not dry_run and not _has_checkpoints(cfg.output_dir):
+    elif cfg.sft.steps == 0 and not dry_run and (overwrite or not _has_checkpoints(cfg.output_dir)):
         # a random-weight preset with no warm-up samples bytes no reward function can grade
         typer.echo(f"note: model {cfg.model.name} starts from random weights (preset '{cfg.model.preset}') and "
                    f"sft.steps is 0, so it earns reward only once it stumbles on the answer format; "
