@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -286,14 +285,6 @@ def _env_for(ctx: typer.Context, name: str, tasks: str | None):
 # --------------------------------------------------------------------------------------
 
 
-def _has_checkpoints(output_dir: str) -> bool:
-    """Whether the run directory already holds checkpoints (the run resumes from trained weights)."""
-    from primerl.rundir import RunDir
-
-    folder = RunDir(Path(output_dir)).checkpoints
-    return folder.is_dir() and any(folder.iterdir())
-
-
 def _resolve(ctx: typer.Context, explicit: dict[str, Any]):
     from primerl.config import load_config, split_args
 
@@ -319,6 +310,7 @@ def run(
     again into the same --output-dir, the same command resumes from the newest checkpoint."""
     from primerl.config import dump_toml, to_dict
     from primerl.registry import get_registry
+    from primerl.rundir import RunDir
 
     cfg = _resolve(ctx, {"model.name": model, "env.name": env, "output_dir": output_dir, "max_steps": max_steps,
                          "launcher.name": launcher_name})
@@ -329,7 +321,7 @@ def run(
             raise PrimerlError(f"model.checkpoint {cfg.model.checkpoint}: its tokenizer has no chat template, which "
                                f"every env renders its prompts with: add one (chat_template in tokenizer_config.json, "
                                f"or chat_template.jinja) or use a checkpoint of an instruct/chat model")
-    elif cfg.sft.steps == 0 and not dry_run and (overwrite or not _has_checkpoints(cfg.output_dir)):
+    elif cfg.sft.steps == 0 and not dry_run and (overwrite or RunDir(cfg.output_dir).latest_checkpoint() is None):
         # a random-weight preset with no warm-up samples bytes no reward function can grade
         typer.echo(f"note: model {cfg.model.name} starts from random weights (preset '{cfg.model.preset}') and "
                    f"sft.steps is 0, so it earns reward only once it stumbles on the answer format; "
