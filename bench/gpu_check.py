@@ -212,7 +212,7 @@ def run_section(device: str, tiny: bool) -> dict[str, Any]:
     peak = peak_flops(device)
     flops = 6 * matmul_params(adapter, adapter.hf_config(preset)) * trained / max(train_s, 1e-9)
     result.update({"reward_last": round(last["reward/mean"], 3), "throughput_tokens_per_s":
-                   round(last["throughput/tokens_per_s"], 1), "trainer_tokens_per_s": round(trained / train_s, 1),
+                   round(last["throughput/sampled_tokens_per_s"], 1), "trainer_tokens_per_s": round(trained / train_s, 1),
                    "trainer_mfu": round(flops / peak, 4) if peak else None,
                    "mismatch_kl_last": last["mismatch_kl"]})
     return result

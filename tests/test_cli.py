@@ -21,7 +21,7 @@ def test_plugin_descriptions_are_shown_as_written():
     assert "context parallel over cp ([trainer.parallel])" in r.stdout  # brackets are text, not markup
 
 
-KINDS = ("model", "env", "router", "kv_store", "parallelism", "inference_backend", "launcher", "loss", "correction", "advantage",
+KINDS = ("model", "checkpoint", "env", "router", "kv_store", "parallelism", "inference_backend", "launcher", "loss", "correction", "advantage",
          "monitor")
 
 

@@ -201,12 +201,14 @@ def test_trainer_settings_the_model_does_not_support_are_refused_naming_the_key(
     assert str(e.value) == ("trainer.parallel.cp (from the command line (--trainer.parallel.cp)): model 'nemotron' (preset 'tiny') does not "
                             "support context parallel: set it to 1")
     assert load_config(ConfigSources(overrides=[*nemotron, ("trainer.parallel.ep", "2")])).trainer.parallel.ep == 2
-    # a checkpoint of another architecture is named in one line at config time
+    # a checkpoint of another architecture than --model's is named in one line at config time
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match=r"^model.checkpoint \(.*--model.checkpoint\)\): .*config.json is a 'llama' "
                                           r"model, not glm_moe_dsa$"):
-        load_config(ConfigSources(overrides=[("model.checkpoint", str(tmp_path / "ckpt"))]))
+        load_config(ConfigSources(overrides=[("model.name", "glm5"), ("model.checkpoint", str(tmp_path / "ckpt"))]))
+    # without --model, the plugin made for the checkpoint's model_type runs it
+    assert load_config(ConfigSources(overrides=[("model.checkpoint", str(tmp_path / "ckpt"))])).model.name == "llama"
 
 
 def test_a_checkpoint_without_moe_layers_has_no_experts_to_split_or_replay(tmp_path):

@@ -11,7 +11,7 @@ from conftest import run_cli
 from primerl.plan import GB, Cluster, Layout, load_shape, memory, plan
 from primerl.registry import get_registry
 
-MODELS = ("glm5", "kimi", "nemotron", "qwen3-moe", "qwen3", "minimax")
+MODELS = ("glm5", "kimi", "nemotron", "qwen3-moe", "qwen3", "minimax", "llama")
 
 
 def _adapter(name):
@@ -51,6 +51,7 @@ VARIANTS = {
     "kimi": {"q_lora_rank": None, "tie_word_embeddings": True},
     "qwen3-moe": {"attention_bias": True, "tie_word_embeddings": True, "mlp_only_layers": [0, 2]},
     "qwen3": {"attention_bias": True, "tie_word_embeddings": True, "head_dim": 48},
+    "llama": {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
     "minimax": {"tie_word_embeddings": True, "num_key_value_heads": 4, "rotary_dim": 32},
     "nemotron": {
         "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
@@ -69,13 +70,14 @@ def test_param_count_equals_the_built_model_for_config_variants(name):
 
 # Published sizes (model cards): GLM-5 744B / 40B active, Kimi K2 1T / 32B, Qwen3-30B-A3B
 # 30.5B / 3.3B, Nemotron 3 Nano 31.6B / 3.2B (3.6B with embeddings), Qwen3-32B 32.8B (dense),
-# MiniMax-M2 230B / 10B.
+# MiniMax-M2 230B / 10B, Llama 3.1 405B (dense).
 PUBLISHED = {
     "glm5": ((740e9, 748e9), (38e9, 44e9)),
     "kimi": ((1.0e12, 1.05e12), (31e9, 34e9)),
     "qwen3-moe": ((30.0e9, 31.0e9), (3.2e9, 3.5e9)),
     "nemotron": ((31.0e9, 32.0e9), (3.4e9, 3.8e9)),
     "qwen3": ((32.5e9, 33.0e9), (32.5e9, 33.0e9)),
+    "llama": ((405e9, 406.5e9), (405e9, 406.5e9)),
     "minimax": ((228e9, 231e9), (9.5e9, 11.5e9)),
 }
 
@@ -83,6 +85,11 @@ PUBLISHED = {
 @pytest.mark.parametrize(("preset", "billions"), [("0.6b", 0.6), ("8b", 8.2)])
 def test_qwen3_presets_count_their_published_sizes(preset, billions):
     assert abs(load_shape("qwen3", preset).params / 1e9 - billions) < 0.05
+
+
+@pytest.mark.parametrize(("preset", "billions"), [("135m", 0.135), ("1b", 1.24), ("8b", 8.03)])
+def test_llama_presets_count_their_published_sizes(preset, billions):
+    assert abs(load_shape("llama", preset).params / 1e9 - billions) < 0.01 * max(billions, 1)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -36,7 +36,7 @@ app.add_typer(models_app, name="models")
 app.add_typer(env_app, name="env")
 
 # piped output (CI logs, `| less`) gets a wide table instead of 80 folded columns
-console = Console(width=None if sys.stdout.isatty() else 200)
+console = Console(width=None if sys.stdout.isatty() else 240)
 err_console = Console(stderr=True)
 
 CONFIG_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -108,6 +108,67 @@ def plugins_info(
 # --------------------------------------------------------------------------------------
 # models
 # --------------------------------------------------------------------------------------
+
+
+@models_app.command("list")
+def models_list(
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of tables."),
+) -> None:
+    """The installed model plugins (presets, HF model types, what each supports) and the
+    checkpoints installed packages carry (--model.checkpoint NAME), with where each is
+    found or how to install it."""
+    from primerl.registry import get_registry
+
+    reg = get_registry()
+    models, checkpoints = [], []
+    for c in sorted(reg.of_kind("model"), key=lambda c: c.name):
+        row: dict[str, Any] = {"name": c.name, "plugin": c.plugin, "error": c.error}
+        if c.error is None:
+            try:
+                import attrs
+
+                adapter = c.load()
+                row.update(presets=list(adapter.presets), model_types=list(adapter.model_types),
+                           supports=[k for k, v in attrs.asdict(adapter.supports).items() if v])
+            except Exception as exc:  # noqa: BLE001 - a broken plugin is a row, not a crash
+                row["error"] = f"{type(exc).__name__}: {exc}"
+        models.append(row)
+    for c in sorted(reg.of_kind("checkpoint"), key=lambda c: c.name):
+        row = {"name": c.name, "plugin": c.plugin, "description": c.description, "error": c.error}
+        if c.error is None:
+            try:
+                from primerl.models.sources import packaged
+
+                record = packaged(c.qualified_name if c.duplicate else c.name, reg)
+                found = record.locate()
+                row.update(model=record.model, distribution=record.distribution, installed=found is not None,
+                           path=str(found) if found else None, install=record.install_hint())
+            except PrimerlError as exc:
+                row["error"] = str(exc)
+        checkpoints.append(row)
+    if as_json:
+        typer.echo(json.dumps({"models": models, "checkpoints": checkpoints}, indent=2))
+        return
+    table = Table(title="model plugins (--model NAME)")
+    for col in ("name", "presets", "HF model types", "supports"):
+        table.add_column(col, overflow="fold")
+    for r in models:
+        if r["error"]:
+            table.add_row(r["name"], f"[red]{escape(r['error'])}[/]", "", "")
+        else:
+            table.add_row(r["name"], ", ".join(r["presets"]) or "-", ", ".join(r["model_types"]) or "any",
+                          ", ".join(r["supports"]) or "-")
+    console.print(table)
+    table = Table(title="packaged checkpoints (--model.checkpoint NAME)")
+    for col in ("name", "model", "carried by", "installed", "description"):
+        table.add_column(col, overflow="fold")
+    for r in checkpoints:
+        if r["error"]:
+            table.add_row(r["name"], "", "", f"[red]{escape(r['error'])}[/]", "")
+            continue
+        where = escape(r["path"]) if r["installed"] else f"no: {escape(r['install'])}"
+        table.add_row(r["name"], r["model"], r["distribution"], where, escape(r["description"]))
+    console.print(table)
 
 
 @models_app.command("show")
@@ -285,10 +346,22 @@ def _env_for(ctx: typer.Context, name: str, tasks: str | None):
 # --------------------------------------------------------------------------------------
 
 
-def _resolve(ctx: typer.Context, explicit: dict[str, Any]):
+def _resolve(ctx: typer.Context, explicit: dict[str, Any], origins: dict[str, str] | None = None):
     from primerl.config import load_config, split_args
 
-    return load_config(split_args(list(ctx.args)), explicit)
+    return load_config(split_args(list(ctx.args)), explicit, origins=origins)
+
+
+def _defaults_note(origins: dict[str, str]) -> str:
+    """TOML comments naming the values the env's run defaults chose (what --dry-run shows
+    above the config), grouped by which defaults they came from."""
+    from collections import defaultdict
+
+    chosen: dict[str, list[str]] = defaultdict(list)
+    for key, origin in origins.items():
+        if origin.startswith("the run defaults of env"):
+            chosen[origin].append(key)
+    return "".join(f"# {origin}: {', '.join(sorted(keys))}\n" for origin, keys in chosen.items())
 
 
 @app.command(context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
@@ -312,12 +385,13 @@ def run(
     from primerl.registry import get_registry
     from primerl.rundir import RunDir
 
+    origins: dict[str, str] = {}
     cfg = _resolve(ctx, {"model.name": model, "env.name": env, "output_dir": output_dir, "max_steps": max_steps,
-                         "launcher.name": launcher_name})
+                         "launcher.name": launcher_name}, origins)
     if cfg.model.checkpoint is not None:
         from primerl.models.checkpoint import has_chat_template
 
-        if not has_chat_template(cfg.model.checkpoint):
+        if not has_chat_template(cfg.model.checkpoint_dir()):
             raise PrimerlError(f"model.checkpoint {cfg.model.checkpoint}: its tokenizer has no chat template, which "
                                f"every env renders its prompts with: add one (chat_template in tokenizer_config.json, "
                                f"or chat_template.jinja) or use a checkpoint of an instruct/chat model")
@@ -327,7 +401,7 @@ def run(
                    f"sft.steps is 0, so it earns reward only once it stumbles on the answer format; "
                    f"--sft.steps 70 warms it up on the env's reference answers first (docs/configuration.md, [sft])")
     if dry_run and not get_registry().capabilities("launcher", cfg.launcher.name).dry_run:
-        typer.echo(dump_toml(to_dict(cfg)), nl=False)
+        typer.echo(_defaults_note(origins) + dump_toml(to_dict(cfg)), nl=False)
         return
     if dry_run:
         cfg.launcher.dry_run = True  # the launcher declared the key (LauncherCapabilities.dry_run)
@@ -348,6 +422,75 @@ def run(
         typer.echo(f"\n{done}")
         code = 0
     raise typer.Exit(code)
+
+
+@app.command("eval", context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)
+def eval_command(
+    ctx: typer.Context,
+    model: str | None = typer.Option(None, "--model", help="Model plugin (e.g. llama); with --model.checkpoint X "
+                                     "alone, the one made for the checkpoint."),
+    env: str | None = typer.Option(None, "--env", help="Environment plugin (e.g. reverse-text)."),
+    run_dir: str | None = typer.Option(None, "--run", help="A run's --output-dir: its config, and the weights of "
+                                       "its checkpoint at --step."),
+    step: int | None = typer.Option(None, "--step", help="With --run: the checkpoint's step (default: the newest)."),
+    split: str = typer.Option("eval", "--split", help="The env's task split."),
+    tasks: int = typer.Option(200, "--tasks", min=1, help="Score the split's first this many tasks."),
+    samples: int = typer.Option(1, "--samples", min=1, help="Episodes per task (pass@k up to this)."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="Sampling temperature (0: greedy)."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", min=1, help="Most tokens per model turn "
+                                          "(orchestrator.max_tokens; default: the env's run default)."),
+    pass_threshold: float = typer.Option(1.0, "--pass-threshold", help="An episode passes at this reward or above."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON line per task, then one summary line."),
+    output: str | None = typer.Option(None, "--output", help="Also write the JSON lines to this file."),
+) -> None:
+    """Score a model on an environment's eval split: a preset, a checkpoint folder, a GGUF file,
+    a packaged checkpoint (--model.checkpoint NAME) or a run's checkpoint (--run OUT --step N).
+    Each task runs --samples times at --temperature through the env's own rollouts; prints
+    the mean reward (its standard error over tasks) and pass@k."""
+    from primerl.eval_command import EvalRequest, completion_text, evaluate, run_checkpoint, write_lines
+
+    explicit: dict[str, Any] = {"model.name": model, "env.name": env, "orchestrator.max_tokens": max_tokens}
+    if run_dir is not None:
+        config, folder = run_checkpoint(run_dir, step)
+        ctx.args[:0] = ["@", str(config)]
+        explicit["model.checkpoint"] = str(folder)
+    cfg = _resolve(ctx, explicit)
+    if cfg.model.checkpoint is not None:
+        from primerl.models.checkpoint import has_chat_template
+
+        if not has_chat_template(cfg.model.checkpoint_dir()):
+            raise PrimerlError(f"model.checkpoint {cfg.model.checkpoint}: its tokenizer has no chat template, which "
+                               f"every env renders its prompts with")
+    request = EvalRequest(split=split, tasks=tasks, samples=samples, temperature=temperature,
+                          pass_threshold=pass_threshold)
+    from primerl.registry import get_registry
+
+    tokenizer = get_registry().load("model", cfg.model.name)().tokenizer(cfg.model) if as_json else None
+
+    def on_task(score: Any) -> None:
+        if as_json:
+            typer.echo(json.dumps({**score.record(pass_threshold), "completion": completion_text(score, tokenizer)}))
+
+    say = (lambda m: typer.echo(m, err=True)) if as_json else typer.echo
+    scores, summary = evaluate(cfg, request, on_task=on_task, say=say)
+    what = cfg.model.checkpoint or f"preset {cfg.model.preset}"
+    summary = {**summary, "model": cfg.model.name, "checkpoint": what, "env": cfg.env.name, "split": split,
+               "temperature": temperature, "max_tokens": cfg.orchestrator.max_tokens}
+    if output:
+        write_lines(output, scores, summary, pass_threshold)
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        for s in [s for s in scores if s.error][:3]:
+            typer.echo(f"task {s.task_id} could not be run: {s.error}")
+        if summary["mean_reward"] is None:
+            raise PrimerlError(f"no task of {cfg.env.name!r} could be run ({summary['errors']} failed)")
+        passes = ", ".join(f"{k} {v:.3f}" for k, v in summary.items() if k.startswith("pass@"))
+        typer.echo(f"{cfg.model.name} ({what}) on {cfg.env.name} {split}: mean reward {summary['mean_reward']:.3f} "
+                   f"(± {summary['reward_stderr']:.3f}) over {summary['n']} tasks x {summary['samples']}, {passes}"
+                   + (f"; {summary['errors']} tasks could not be run" if summary["errors"] else ""))
+    if summary["mean_reward"] is None:
+        raise typer.Exit(1)
 
 
 @app.command(context_settings=CONFIG_ARGS, epilog=CONFIG_HELP)

@@ -26,7 +26,7 @@ from typing import Any, Literal, Union
 
 import attrs
 
-from primerl.errors import ConfigError, PluginError
+from primerl.errors import ConfigError, PluginError, PrimerlError
 from primerl.models import ModelConfig
 from primerl.monitors import MonitorConfig
 
@@ -350,6 +350,15 @@ class TrainerConfig:
         return None
 
 
+def source_name_for(env_name: str) -> str:
+    """The source name an env given alone (``--env NAME`` or ``PLUGIN:NAME``) trains under:
+    the env's name without the plugin that was picked, other characters a metric name
+    cannot hold turned into '-' (``acme:my env`` -> ``my-env``)."""
+    bare = env_name.rpartition(":")[2] or env_name
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", bare).lstrip("-_.")
+    return name or "env"
+
+
 def _source_name(_inst: Any, _attr: attrs.Attribute, value: str) -> None:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value or ""):
         raise ValueError(f"name: {value!r} must be letters, digits, '_', '.' or '-' (it names the source's metrics, "
@@ -429,6 +438,8 @@ class OrchestratorConfig:
     eval_tasks: int = attrs.field(default=64, validator=_positive)  # evaluate the eval split's first this many tasks
     # sampling temperature of evaluations (0 = greedy)
     eval_temperature: float = attrs.field(default=0.0, validator=_non_negative)
+    # episodes per eval task: the mean reward is over all of them, pass@k reported up to this
+    eval_samples: int = attrs.field(default=1, validator=_positive)
     # several environments trained together ([[orchestrator.sources]]: name, env, ratio,
     # group_size, advantage), mixed in every batch by ratio; empty: [env] alone (--env is
     # the short form of one source)
@@ -440,7 +451,7 @@ class OrchestratorConfig:
     def train_sources(self, env: EnvConfig) -> list[SourceConfig]:
         """The sources the run trains on, each with its group size and advantage resolved
         (``env``: the run's ``[env]``, the one source when none are listed)."""
-        listed = self.sources or [SourceConfig(name=env.name, env=env)]
+        listed = self.sources or [SourceConfig(name=source_name_for(env.name), env=env)]
         return [attrs.evolve(s, group_size=s.group_size or self.group_size, advantage=s.advantage or self.advantage,
                              advantage_options=s.advantage_options if s.advantage else self.advantage_options)
                 for s in listed]
@@ -524,8 +535,8 @@ class RunConfig:
     def check(self, sources: Mapping[str, str]) -> None:
         """Rules that span fields; each error names the keys involved."""
         o = self.orchestrator
+        srcs = o.train_sources(self.env)  # each source built (and validated) as the orchestrator will
         if o.sources:
-            srcs = o.train_sources(self.env)
             names = [s.name for s in srcs]
             if len(set(names)) < len(names):
                 raise ConfigError(f"orchestrator.sources: names {names} repeat; give each source its own name")
@@ -586,8 +597,17 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+_LAST_PART = re.compile(r"(\.[^.\[\]]*|\[\d+\])$")  # ".key" or "[i]" at the end of a key path
+
+
 def _src(sources: Mapping[str, str], path: str) -> str:
-    return f"from {sources.get(path, 'the defaults')}"
+    """Where the value at ``path`` came from: its own origin, else that of the nearest table
+    or list it sits in (``orchestrator.sources[0].name`` inside a list a file gave), else
+    the defaults."""
+    while path and path not in sources:
+        last = _LAST_PART.search(path)
+        path = path[:last.start()] if last else ""
+    return f"from {sources[path]}" if path else "from the defaults"
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -829,11 +849,17 @@ def build_raw(src: ConfigSources, explicit: Mapping[str, Any] | None = None) -> 
     return raw, sources
 
 
-def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, registry: Any = None) -> RunConfig:
-    """Resolve a RunConfig; plugin sections are checked by the selected plugin's Config class."""
+def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, registry: Any = None,
+                origins: dict[str, str] | None = None) -> RunConfig:
+    """Resolve a RunConfig; plugin sections are checked by the selected plugin's Config class.
+    ``origins``, when given, is filled with where each set key came from (key path -> a file,
+    the command line, an env's run defaults...)."""
     from primerl.registry import get_registry
 
     raw, sources = build_raw(src, explicit)
+    if origins is not None:  # the caller's dict, filled as the layers below add theirs
+        origins.update(sources)
+        sources = origins
     reg = registry or get_registry()
     listed = _take_sources(raw, sources)
     if listed["sources"]:  # the first source's env is the run's [env] (its run defaults, the SFT warm-up)
@@ -842,6 +868,7 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
             raise ConfigError(f"[env] ({_src(sources, 'env.name')}) and [[orchestrator.sources]] both say what to train "
                               f"on: list every environment as a source, or give [env] (--env) alone")
         raw["env"] = _source_env(listed["sources"][0], "orchestrator.sources[0]", sources, reg)[0]
+    _model_from_checkpoint(raw, sources, reg)
     plugin_sections = {"model": "model", "env": "env"}
     plugin_classes: dict[str, type] = {}
     for section, kind in plugin_sections.items():
@@ -876,11 +903,18 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
     if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
         raise ConfigError(f"env plugin '{env_name}' registers {env_cls!r}, which is not a subclass of "
                           "primerl.envs.Environment (SingleTurnEnv, MultiTurnEnv, AgentEnv...); fix the plugin")
-    env_defaults = env_cls.run_defaults
-    if env_defaults:
+    # A pretrained checkpoint gets the env's pretrained_run_defaults on top (a learning rate
+    # for real weights, no warm-up on the answers...).
+    pretrained = isinstance(raw.get("model"), Mapping) and raw["model"].get("checkpoint") is not None
+    layers = [(env_cls.run_defaults, f"the run defaults of env '{env_name}'")]
+    if pretrained:
+        layers.append((env_cls.pretrained_run_defaults,
+                       f"the run defaults of env '{env_name}' for a pretrained checkpoint"))
+    if any(d for d, _ in layers):
         merged: dict[str, Any] = {}
         default_sources: dict[str, str] = {}
-        merge_into(merged, env_defaults, f"the run defaults of env '{env_name}'", default_sources)
+        for defaults, origin in layers:
+            merge_into(merged, defaults, origin, default_sources)
         merge_into(merged, raw, "", {})
         raw = merged
         for path, origin in default_sources.items():
@@ -906,6 +940,29 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
     _check_pd(cfg, sources)
     cfg.inference.check(cfg, sources)  # the backend's rules that need the whole run
     return cfg
+
+
+def _model_from_checkpoint(raw: dict[str, Any], sources: dict[str, str], reg: Any) -> None:
+    """``--model.checkpoint`` without ``--model``: the plugin the checkpoint names (a packaged
+    checkpoint's own ``model``), else the one made for its ``model_type``, else ``hf``."""
+    from primerl.models import plugin_for_model_type
+    from primerl.models.sources import is_checkpoint_name, model_type_of, packaged
+
+    table = raw.get("model")
+    if not isinstance(table, dict) or "name" in table or not isinstance(table.get("checkpoint"), str):
+        return
+    value = table["checkpoint"]
+    try:
+        if is_checkpoint_name(value):
+            name, why = packaged(value, reg).model, f"the packaged checkpoint {value!r} names it"
+        else:
+            model_type = model_type_of(value, reg)
+            name = plugin_for_model_type(model_type, reg) or "hf"
+            why = f"the checkpoint's model_type is {model_type!r}"
+    except PrimerlError:
+        return  # the checkpoint's own check names the problem
+    table["name"] = name
+    sources["model.name"] = f"model.checkpoint ({why})"
 
 
 def _take_sources(raw: dict[str, Any], sources: Mapping[str, str]) -> dict[str, list[dict[str, Any]]]:
@@ -942,7 +999,7 @@ def _structure_source(cls: type, table: dict[str, Any], path: str, sources: Mapp
     """One source entry, its ``env`` table checked by that env plugin's Config."""
     env, env_cls = _source_env(table, path, sources, reg)
     rest = {k: v for k, v in table.items() if k != "env"}
-    out = structure(cls, {**rest, "name": table.get("name", env["name"])}, path, sources)
+    out = structure(cls, {**rest, "name": table.get("name", source_name_for(env["name"]))}, path, sources)
     out.env = structure(env_cls, env, f"{path}.env", sources)
     return out
 
@@ -1054,7 +1111,7 @@ def _check_model(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
     adapter = reg.load("model", cfg.model.name)()
     try:
         caps = adapter.capabilities(cfg.model)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, PrimerlError) as exc:
         key = "model.checkpoint" if cfg.model.checkpoint else "model.preset"
         raise ConfigError(f"{key} ({_src(sources, key)}): {exc}") from None
     for key, asked, granted, words, fix in MODEL_NEEDS:

@@ -43,6 +43,14 @@ def register_models(register: Register) -> None:
 
 
 @hookspec
+def register_checkpoints(register: Register) -> None:
+    """Register checkpoints that installed packages carry, by name: the target is a
+    :class:`primerl.models.sources.PackagedCheckpoint` (the distribution, the file or folder
+    inside it, the model plugin that runs it). ``--model.checkpoint NAME`` then needs no
+    machine path; ``primerl models list`` shows them."""
+
+
+@hookspec
 def register_envs(register: Register) -> None:
     """Register environments (tasks and rewards: single-turn, multi-turn, tool use)."""
 

@@ -389,7 +389,7 @@ def decoder_shape(hf: Mapping[str, Any], moe_layers: Iterable[int], *, attention
             )
             merge_block(layer, block)
         else:
-            params, saved = dense_mlp(h, hf["intermediate_size"], gated=True)
+            params, saved = dense_mlp(h, hf["intermediate_size"], gated=True, bias=bool(hf.get("mlp_bias", False)))
             layer.dense += params
             layer.quantisable += 3 * h * hf["intermediate_size"]
             layer.saved += saved

@@ -45,6 +45,7 @@ ENTRY_POINT_GROUP = "primerl"
 # hook name -> kind (the singular used in listings, config and errors)
 HOOK_KINDS: dict[str, str] = {
     "register_models": "model",
+    "register_checkpoints": "checkpoint",
     "register_envs": "env",
     "register_routers": "router",
     "register_kv_stores": "kv_store",

@@ -65,7 +65,8 @@ MAY_CHANGE = (
     "inference.role", "inference.max_queue",
     "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.nproc", "trainer.parallelism",
     "trainer.parallel.*",
-    "orchestrator.eval_every", "orchestrator.eval_tasks", "orchestrator.eval_temperature",
+    "orchestrator.eval_every", "orchestrator.eval_tasks", "orchestrator.eval_temperature", "orchestrator.eval_samples",
+    "model.cache_dir",
     "launcher.*", "monitors.*",
 )
 # what a run writes, set aside when it starts over (the launcher rewrites config.toml)

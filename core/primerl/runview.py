@@ -79,7 +79,7 @@ class LiveView:
 
     def _line(self, r: dict[str, Any]) -> str:
         return (f"step {r['step']:>4}/{self.cfg.max_steps}  reward {r.get('reward/mean', 0):.3f}{_per_source(r)}  "
-                f"tok/s {r.get('throughput/tokens_per_s', 0):.0f}  staleness {r.get('off_policy/max', 0)}  "
+                f"tok/s {r.get('throughput/sampled_tokens_per_s', 0):.0f}  staleness {r.get('off_policy/max', 0)}  "
                 f"dropped {r.get('dropped_stale', 0)}  failed {_failed(r)}  mismatch_kl {r.get('mismatch_kl', 0):.2e}  "
                 f"step {r.get('time/step', 0):.2f}s"
                 + (f"  eval {r['eval/reward/mean']:.3f} (v{r['eval/policy_version']})" if "eval/reward/mean" in r else ""))
@@ -90,7 +90,7 @@ class LiveView:
             t.add_column(col, justify="right")
         for r in rows[-8:]:
             t.add_row(f"{r['step']}/{self.cfg.max_steps}", f"{r.get('reward/mean', 0):.3f}{_per_source(r)}",
-                      f"{r.get('throughput/tokens_per_s', 0):.0f}", str(r.get("off_policy/max", 0)),
+                      f"{r.get('throughput/sampled_tokens_per_s', 0):.0f}", str(r.get("off_policy/max", 0)),
                       str(r.get("dropped_stale", 0)), str(_failed(r)), f"{r.get('mismatch_kl', 0):.2e}",
                       f"{r.get('time/step', 0):.2f}s", self._eta(rows))
         if not rows:

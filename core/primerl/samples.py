@@ -80,6 +80,16 @@ class Sample:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def episodes(samples: list[Sample]) -> dict[Any, tuple[float, list[Sample]]]:
+    """A group's episodes in order, each its reward and its samples: an agent env's episode
+    may train as several samples (``episode`` set); any other sample is one episode."""
+    out: dict[Any, tuple[float, list[Sample]]] = {}
+    for i, s in enumerate(samples):
+        key = s.episode if s.episode is not None else i
+        out.setdefault(key, (s.reward, []))[1].append(s)
+    return out
+
+
 def decode_routed_experts(payload: dict[str, Any] | None) -> Any:
     """The ``[tokens, moe_layers, top_k]`` tensor of an engine's ``routed_experts`` payload.
 

@@ -52,8 +52,11 @@ def test_third_party_env_trains_three_steps(venv, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     for key in ("step", "reward/mean", "policy_version", "off_policy/max", "dropped_stale", "mismatch_kl",
-                "time/step", "throughput/tokens_per_s"):
+                "time/step", "throughput/sampled_tokens_per_s", "batch/sampled_tokens"):
         assert key in rows[-1], key
+    for prev, row in zip(rows, rows[1:]):  # never more than the batch's tokens over the wall time between step ends
+        wall = row["time/end"] - prev["time/end"]
+        assert 0 < row["throughput/sampled_tokens_per_s"] <= row["batch/sampled_tokens"] / wall * 1.01 + 1e-6, (prev, row)
     assert (out / "reward.png").stat().st_size > 0
     assert (out / "weights" / "step_000003" / "STABLE").exists()
     assert "reward curve" in r.stdout

@@ -3,8 +3,8 @@
 Each test runs for each architecture's ``tiny`` preset in float32 on the CPU: GLM-5
 (``glm_moe_dsa``, deeper tests in test_glm5.py), Kimi K2 (``deepseek_v3`` with YaRN),
 Qwen3-MoE (``qwen3_moe``), Nemotron 3 (``nemotron_h``: Mamba-2 + attention + MoE) and the
-dense Qwen3 (``qwen3``) and MiniMax-M2 (``minimax_m2``: partial RoPE, per-layer q/k norm,
-sigmoid-routed experts).
+dense Qwen3 (``qwen3``), MiniMax-M2 (``minimax_m2``: partial RoPE, per-layer q/k norm,
+sigmoid-routed experts) and Llama (``llama``: Llama 3's RoPE frequency scaling).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from primerl.models import ModelConfig
 from primerl.registry import get_registry
 from primerl.tokenizer import VOCAB_SIZE, byte_tokenizer
 
-ARCHS = ["glm5", "kimi", "qwen3-moe", "nemotron", "qwen3", "minimax"]
+ARCHS = ["glm5", "kimi", "qwen3-moe", "nemotron", "qwen3", "minimax", "llama"]
 TOL = 1e-5
 
 
@@ -233,7 +233,7 @@ def test_parallel_plan_describes_layers_units_and_moe_modules(arch):
     assert len(plan["routers"]) == len(plan["experts"]) == len(model.moe_layers)
     mixers = {layer["mixer"] for layer in plan["layers"]}
     want = {"glm5": {"mla_dsa"}, "kimi": {"mla"}, "qwen3-moe": {"gqa"}, "nemotron": {"mamba2", "gqa", None},
-            "qwen3": {"gqa"}, "minimax": {"gqa"}}[name]
+            "qwen3": {"gqa"}, "minimax": {"gqa"}, "llama": {"gqa"}}[name]
     assert mixers == want
 
 

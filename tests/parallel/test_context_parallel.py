@@ -183,7 +183,7 @@ def compare_with_one_process(names: list[str], rows: list[list[int]]) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_on_ranks(2, compare_with_one_process, ["qwen3-moe", "kimi", "glm5", "nemotron", "qwen3"], ROWS)[0]
+    return run_on_ranks(2, compare_with_one_process, ["qwen3-moe", "kimi", "glm5", "nemotron", "qwen3", "llama"], ROWS)[0]
 
 
 def check_matches_one_process(result: dict) -> None:

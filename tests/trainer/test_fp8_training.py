@@ -187,7 +187,7 @@ def test_gpu_kernel_operands_pass_torch_scaled_mm_shape_rules(T, K, N):
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["glm5", "qwen3-moe", "nemotron", "qwen3", "minimax"])
+@pytest.mark.parametrize("name", ["glm5", "qwen3-moe", "nemotron", "qwen3", "minimax", "llama"])
 def test_conversion_keeps_names_and_leaves_high_precision_modules_alone(name):
     model = build(name)
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
@@ -333,7 +333,7 @@ def fp8_exact_input(shape, seed=0) -> torch.Tensor:
     return x * 2.0**-10
 
 
-@pytest.mark.parametrize("name", ["glm5", "qwen3-moe", "nemotron", "qwen3", "minimax"])
+@pytest.mark.parametrize("name", ["glm5", "qwen3-moe", "nemotron", "qwen3", "minimax", "llama"])
 def test_trainer_fp8_weights_are_the_fp8_inference_weights(name):
     """The trainer's FP8 forward uses exactly the weights FP8 inference serves
     (``fp8_round_trip_``, what bench/router_replay.py's engine runs): weight-only, whole-model

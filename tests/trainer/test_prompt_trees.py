@@ -211,7 +211,7 @@ def test_joined_rows_keep_every_segment_apart():
     assert joined["sample_index"][0, -1] == -1  # the empty row
 
 
-@pytest.mark.parametrize("name", ["glm5", "kimi", "qwen3-moe", "qwen3", "minimax", "nemotron"])
+@pytest.mark.parametrize("name", ["glm5", "kimi", "qwen3-moe", "qwen3", "minimax", "nemotron", "llama"])
 def test_a_step_over_joined_rows_has_the_same_loss_and_gradients(name):
     """Each forward's rows as one row without padding (the models' varlen_rows): the same
     loss, mismatch and gradients as the padded rows, prompt trees included."""

@@ -95,6 +95,10 @@ class Environment:
     # run settings the env suggests (``{"orchestrator": {"max_tokens": 64}, "sft": {...}}``):
     # they sit below every config file and flag
     run_defaults: ClassVar[dict[str, Any]] = {}
+    # merged over run_defaults when the model starts from a pretrained checkpoint
+    # (model.checkpoint), whose weights want another learning rate, no warm-up on the
+    # env's answers, another temperature than a random-weight preset
+    pretrained_run_defaults: ClassVar[dict[str, Any]] = {}
     # how the orchestrator turns a task into a group of samples ("module:attr" of a
     # primerl.envs.rollouts.Rollout): set by SingleTurnEnv, MultiTurnEnv and AgentEnv
     rollout: ClassVar[str | None] = None

@@ -234,7 +234,7 @@ class Agent:
                 base_url=url + "/v1", model=ctx.cfg.model.name, max_tokens=o.max_tokens,
                 temperature=group.temperature, top_p=o.top_p, max_model_len=ctx.cfg.inference.max_model_len,
                 return_routed_experts=ctx.want_routed, api_key=ctx.cfg.inference.resolved_api_key(),
-                tokenizer=ctx.cfg.model.checkpoint)
+                tokenizer=str(d) if (d := ctx.cfg.model.checkpoint_dir()) else None)
             try:
                 episodes = await ctx.workers.call("run_group", group.task, endpoint, group.size, timeout=timeout)
             except Exception:
@@ -257,3 +257,25 @@ class Agent:
                 group.tokens += sample.sampled_tokens
         if not group.samples:
             raise RuntimeError(f"no episode of task {group.task.id} sampled a token")
+
+
+def rollout_kind(cfg: Any, env: Any, env_cfg: Any, client: RolloutClient, *, tokenizer: Any,
+                 scorer: ThreadPoolExecutor | None, want_routed: bool = False, closing: Any = None) -> tuple[Any, Any]:
+    """The rollout kind an env names (``env.rollout``), over its own context, and the env's
+    worker processes when the kind runs the env in them (``orchestrator.env_workers``);
+    ``tokenizer``: a callable giving the model's tokenizer, called only when the kind needs it."""
+    from primerl.envs.workers import EnvWorkers
+    from primerl.errors import PrimerlError
+    from primerl.registry import load_target
+
+    if not env.rollout:
+        raise PrimerlError(f"environment '{env_cfg.name}' ({type(env).__name__}) has no rollout kind: subclass "
+                           "primerl.envs.SingleTurnEnv, primerl.envs.multiturn.MultiTurnEnv or "
+                           "primerl.envs.agent.AgentEnv")
+    kind = load_target(env.rollout)
+    # multi-turn and agent envs run in worker processes; appending env turns needs the tokenizer
+    workers = EnvWorkers(type(env), env_cfg, cfg.orchestrator.env_workers) if kind.uses_workers else None
+    ctx = RolloutContext(cfg=cfg, env=env, env_cfg=env_cfg, client=client, workers=workers,
+                         tokenizer=tokenizer() if kind.needs_tokenizer else None, scorer=scorer,
+                         want_routed=want_routed, closing=closing or (lambda: False))
+    return kind(ctx), workers

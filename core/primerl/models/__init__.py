@@ -12,6 +12,7 @@ checkpointing carry no model-specific code.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -27,13 +28,24 @@ def _check_dtype(_inst: Any, attribute: attrs.Attribute, value: str) -> None:
 
 
 def _check_checkpoint(_inst: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    """A folder, a file, or what reads as a registered checkpoint's name (looked up in the
+    registry when the config is checked: ``primerl.config``)."""
     import os
 
-    if value is not None and not os.path.isdir(value):
-        raise ValueError(
-            f"{attribute.name} must be a local HF checkpoint directory (config.json + *.safetensors); "
-            f"'{value}' is not a directory"
-        )
+    from primerl.models.sources import is_checkpoint_name
+
+    if value is None or os.path.isdir(value) or is_checkpoint_name(value):
+        return
+    if os.path.isfile(value):
+        from primerl.models.gguf import is_gguf
+
+        if is_gguf(value):
+            return
+        raise ValueError(f"{attribute.name}: '{value}' is not a GGUF file (it does not start with 'GGUF'); give a "
+                         f"local HF checkpoint directory (config.json + *.safetensors), a .gguf file, or a checkpoint "
+                         f"name from `primerl models list`")
+    raise ValueError(f"{attribute.name}: '{value}' does not exist; give a local HF checkpoint directory "
+                     f"(config.json + *.safetensors), a .gguf file, or a checkpoint name from `primerl models list`")
 
 
 @attrs.define(kw_only=True)
@@ -46,13 +58,38 @@ class ModelConfig:
     # one of the plugin's named architectures (e.g. "tiny"), built with random weights and
     # the byte tokenizer; ignored when checkpoint is set
     preset: str = "tiny"
-    # a local HF checkpoint directory (config.json + *.safetensors, tokenizer) to start
-    # from; None: the preset, randomly initialised
+    # the weights to start from: a local HF checkpoint directory (config.json +
+    # *.safetensors, tokenizer), a .gguf file (converted once into cache_dir), or the name
+    # of a checkpoint an installed package carries (`primerl models list`); None: the
+    # preset, randomly initialised
     checkpoint: str | None = attrs.field(default=None, validator=_check_checkpoint)
+    # where converted checkpoints (GGUF files) are kept, by content; "": $XDG_CACHE_HOME/primerl
+    # or ~/.cache/primerl
+    cache_dir: str = ""
     # "float32", "bfloat16" or "float16": what inference serves in unless inference.dtype
     # says otherwise; the trainer always keeps float32 master weights
     dtype: str = attrs.field(default="float32", validator=_check_dtype)
     seed: int = 0  # the random init of a preset's weights (unused with a checkpoint)
+
+    def checkpoint_dir(self) -> Path | None:
+        """The HF folder ``checkpoint`` stands for (a GGUF file or a packaged checkpoint
+        resolved: :func:`primerl.models.sources.resolve_checkpoint`), or None for a preset."""
+        if self.checkpoint is None:
+            return None
+        from primerl.models.sources import resolve_checkpoint
+
+        return resolve_checkpoint(self.checkpoint, self.cache_dir, log=_say)
+
+    @property
+    def pretrained(self) -> bool:
+        """Whether the weights come from a checkpoint (not a randomly initialised preset)."""
+        return self.checkpoint is not None
+
+
+def _say(msg: str) -> None:
+    import sys
+
+    print(f"[model] {msg}", file=sys.stderr, flush=True)
 
 
 @attrs.frozen
@@ -174,7 +211,7 @@ class HFModelAdapter(ModelAdapter):
             return self.hf_config(config.preset)
         from primerl.models.checkpoint import read_config
 
-        return read_config(config.checkpoint, self.model_types)
+        return read_config(config.checkpoint_dir(), self.model_types)
 
     def moe_layers(self, hf: dict[str, Any]) -> tuple[list[int], int, int]:
         """(indices of the MoE layers, routed experts, experts per token) of an HF config."""
@@ -210,7 +247,7 @@ class HFModelAdapter(ModelAdapter):
         model = self.build_from_hf(hf, dtype=config.dtype, seed=None if config.checkpoint else config.seed,
                                    device=device)
         if config.checkpoint is not None:
-            self.load_checkpoint(model, config.checkpoint)
+            self.load_checkpoint(model, config.checkpoint_dir())
         return model
 
     def build_from_hf(self, hf: dict[str, Any], *, dtype: str = "float32", seed: int | None = 0,
@@ -236,7 +273,7 @@ class HFModelAdapter(ModelAdapter):
             return byte_tokenizer()
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(config.checkpoint)
+        return AutoTokenizer.from_pretrained(config.checkpoint_dir())
 
     def load_checkpoint(self, model: torch.nn.Module, directory: Any) -> None:
         """Overwrite ``model``'s weights in place from an HF checkpoint (also weight updates)."""
@@ -264,3 +301,22 @@ class HFModelAdapter(ModelAdapter):
             hf["num_nextn_predict_layers"] = 0  # multi-token-prediction layers are not part of our model
         return save_checkpoint(model, directory, hf, self.hf_format(), tokenizer=tokenizer,
                                tied=model.config.tie_word_embeddings, **kwargs)
+
+
+def plugin_for_model_type(model_type: str | None, registry: Any = None, *, exclude: str = "hf") -> str | None:
+    """The installed model plugin that implements ``model_type`` itself (its adapter's
+    ``model_types``), if any; ``exclude``: a plugin not to name (the generic one)."""
+    if not model_type:
+        return None
+    from primerl.registry import get_registry
+
+    reg = registry or get_registry()
+    for component in reg.of_kind("model"):
+        if component.name == exclude or component.error is not None:
+            continue
+        try:
+            if model_type in component.load().model_types:
+                return component.name
+        except Exception:  # noqa: BLE001 - a broken plugin is reported by `plugins list`, not here
+            continue
+    return None

@@ -155,19 +155,28 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_inv_freq(dim: int, rope: Mapping[str, Any], max_position_embeddings: int) -> tuple[Tensor, float]:
-    """(inverse frequencies [dim/2], factor on cos/sin) for ``default`` and ``yarn`` RoPE.
+    """(inverse frequencies [dim/2], factor on cos/sin) for ``default``, ``linear``, ``llama3``
+    and ``yarn`` RoPE.
 
-    YaRN (Kimi K2 / DeepSeek-V3's long-context RoPE) follows HF's
-    ``_compute_yarn_parameters``: low frequencies are interpolated by ``factor``, high
-    ones kept, with a linear ramp between the ``beta_fast``/``beta_slow`` correction dims.
+    ``linear`` divides every frequency by ``factor``. ``llama3`` (Llama 3.1's long context)
+    follows HF's ``_compute_llama3_parameters``: wavelengths beyond the original context /
+    ``low_freq_factor`` are interpolated by ``factor``, those below it / ``high_freq_factor``
+    kept, with a smooth ramp between. YaRN (Kimi K2 / DeepSeek-V3's long-context RoPE)
+    follows HF's ``_compute_yarn_parameters``: low frequencies are interpolated by
+    ``factor``, high ones kept, with a linear ramp between the ``beta_fast``/``beta_slow``
+    correction dims.
     """
     base = float(rope["rope_theta"])
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)  # not on "meta"
     kind = rope.get("rope_type", "default")
     if kind == "default":
         return 1.0 / pos_freqs, 1.0
+    if kind == "linear":
+        return 1.0 / pos_freqs / float(rope["factor"]), 1.0
+    if kind == "llama3":
+        return llama3_inv_freq(1.0 / pos_freqs, rope), 1.0
     if kind != "yarn":
-        raise ValueError(f"rope_type {kind!r} is not supported (default, yarn)")
+        raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3, yarn)")
     original = rope["original_max_position_embeddings"]
     factor = rope.get("factor") or max_position_embeddings / original
     attention_factor = rope.get("attention_factor")
@@ -192,6 +201,18 @@ def rope_inv_freq(dim: int, rope: Mapping[str, Any], max_position_embeddings: in
     keep = 1 - ramp  # 1: extrapolate (high frequency), 0: interpolate
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
     return inv_freq, float(attention_factor)
+
+
+def llama3_inv_freq(inv_freq: Tensor, rope: Mapping[str, Any]) -> Tensor:
+    """Llama 3's frequency scaling of ``inv_freq`` [dim/2] (HF's ``rope_type = "llama3"``)."""
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    context = float(rope["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rope_angles(positions: Tensor, inv_freq: Tensor, factor: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -66,15 +66,16 @@ from primerl import watchdog
 from primerl.advantages import Advantage, build_advantage, compute_advantages
 from primerl.config import EnvConfig, EvalSourceConfig, RunConfig, SourceConfig
 from primerl.envs import Environment, Task, TaskError
-from primerl.envs.rollouts import RolloutContext
+from primerl.envs.rollouts import rollout_kind
 from primerl.envs.workers import EnvWorkers
 from primerl.errors import PrimerlError
+from primerl.evaluation import run_metrics, score_tasks, summarize
 from primerl.inference import inference_urls
 from primerl.orchestrator.client import Client, inference_client
-from primerl.registry import get_registry, load_target
+from primerl.registry import get_registry
 from primerl.resume import usable_checkpoint
 from primerl.rundir import ORCHESTRATOR_STATE, RunDir, step_name, write_atomically
-from primerl.samples import RolloutBatch, Sample, write_batch
+from primerl.samples import RolloutBatch, Sample, episodes, write_batch
 
 POSITION_FORMAT = "primerl.orchestrator_state"  # rollouts/step_n.state.json, checkpoints/step_n/orchestrator_state.json
 POSITION_VERSION = 2  # 2: a position per source; 1 (read too): the one source's at the top level
@@ -197,16 +198,6 @@ def uniform(group: Group) -> bool:
     return len({s.reward for s in group.samples}) <= 1
 
 
-def episodes_of(group: Group) -> dict[Any, tuple[float, list[Sample]]]:
-    """The group's episodes in order, each its reward and its samples (an agent env's
-    episode may train as several samples; a sample without an episode is one)."""
-    out: dict[Any, tuple[float, list[Sample]]] = {}
-    for i, s in enumerate(group.samples):
-        key = s.episode if s.episode is not None else i
-        out.setdefault(key, (s.reward, []))[1].append(s)
-    return out
-
-
 def overlong_penalty(samples: list[Sample], o: Any) -> float:
     """DAPO's soft overlong punishment of an episode (0 unless ``orchestrator.overlong_buffer``):
     with L = max_tokens and B the buffer, a model turn of n tokens (the episode's mean) costs
@@ -276,7 +267,6 @@ class Orchestrator:
         self.run_dir = RunDir(cfg.output_dir)
         self.version = -1  # newest version loaded into inference (-1: none yet)
         self.in_flight: dict[asyncio.Task, Group] = {}
-        self.tokens_since_batch = 0
         self.version_changed = asyncio.Event()
         self.failures = Failures(self.o.max_failed_groups)
         self.broken: asyncio.Future[str] | None = None  # set with the cause when the env cannot run its tasks
@@ -319,21 +309,16 @@ class Orchestrator:
 
     def _rollout_kind(self, env: Environment, env_cfg: EnvConfig) -> tuple[Any, EnvWorkers | None]:
         """An env's rollout kind, over its own context, and its worker processes if it runs in them."""
-        if not env.rollout:
-            raise PrimerlError(f"environment '{env_cfg.name}' ({type(env).__name__}) has no rollout kind: subclass "
-                               "primerl.envs.SingleTurnEnv, primerl.envs.multiturn.MultiTurnEnv or "
-                               "primerl.envs.agent.AgentEnv")
-        kind = load_target(env.rollout)
-        # multi-turn and agent envs run in worker processes; appending env turns needs the tokenizer
-        workers = EnvWorkers(type(env), env_cfg, self.o.env_workers) if kind.uses_workers else None
+        kind, workers = rollout_kind(self.cfg, env, env_cfg, self.client, tokenizer=self._tokenizer,
+                                     scorer=self.scorer, want_routed=self.want_routed, closing=lambda: self.closing)
         if workers is not None:
             watchdog.add_children_source(workers.pids)
-        if kind.needs_tokenizer and self.tokenizer is None:
+        return kind, workers
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
             self.tokenizer = get_registry().load("model", self.cfg.model.name)().tokenizer(self.cfg.model)
-        ctx = RolloutContext(cfg=self.cfg, env=env, env_cfg=env_cfg, client=self.client, workers=workers,
-                             tokenizer=self.tokenizer, scorer=self.scorer, want_routed=self.want_routed,
-                             closing=lambda: self.closing)
-        return kind(ctx), workers
+        return self.tokenizer
 
     def workers(self) -> list[EnvWorkers]:
         return [w for w in [*(s.workers for s in self.sources), *(e[3] for e in self.eval_sources)] if w is not None]
@@ -377,30 +362,26 @@ class Orchestrator:
 
     async def evaluate(self, after_batch: int, kind: Any = None, tasks: list[Task] | None = None,
                        prefix: str = "eval") -> None:
-        """Each eval task once, at ``eval_temperature``, with the policy inference serves now
-        (the first source's env and its eval tasks, or an eval source's: ``kind``, ``tasks``,
-        logged under ``prefix``).
+        """Each eval task ``orchestrator.eval_samples`` times at ``eval_temperature``, with the
+        policy inference serves now (the first source's env and its eval tasks, or an eval
+        source's: ``kind``, ``tasks``, logged under ``prefix``), scored by
+        :mod:`primerl.evaluation` as ``primerl eval`` scores them.
 
-        Runs beside training (its requests share the servers with rollouts); its mean
-        reward is logged as ``<prefix>/reward/mean`` with the first batch written after it
-        ends, together with the policy version it measured."""
+        Runs beside training (its requests share the servers with rollouts); its figures
+        are logged as ``<prefix>/reward/mean``, ``<prefix>/pass@k``... with the first batch
+        written after it ends, together with the policy version it measured."""
         kind = kind or self.sources[0].kind
         tasks = self.eval_tasks if tasks is None else tasks
         version, t0 = self.version, time.monotonic()
-        groups = [Group(task=t, start_version=version, size=1, temperature=self.o.eval_temperature) for t in tasks]
-        outcomes = await asyncio.gather(*(self.rollout(g, kind, train=False) for g in groups), return_exceptions=True)
-        # one episode per task (an agent env's may train as several samples, all with its reward)
-        rewards = [g.samples[0].reward for g, o in zip(groups, outcomes) if o is None and g.samples]
-        errors = [o for o in outcomes if isinstance(o, BaseException)]
-        for exc in errors[:3]:
-            log(f"evaluation ({prefix}) after batch {after_batch}: a task failed: {type(exc).__name__}: {exc}")
-        result = {f"{prefix}/policy_version": version, f"{prefix}/tasks": len(rewards), f"{prefix}/errors": len(errors),
+        scores = await score_tasks(kind, tasks, samples=self.o.eval_samples, temperature=self.o.eval_temperature)
+        for failed in [s for s in scores if s.error is not None][:3]:
+            log(f"evaluation ({prefix}) after batch {after_batch}: task {failed.task_id} failed: {failed.error}")
+        summary = summarize(scores)
+        result = {f"{prefix}/policy_version": version, **run_metrics(summary, prefix),
                   f"{prefix}/seconds": time.monotonic() - t0}
-        if rewards:
-            result[f"{prefix}/reward/mean"] = sum(rewards) / len(rewards)
         self.eval_results.append(result)
-        log(f"evaluation ({prefix}) of v{version} on {len(rewards)} eval tasks: "
-            + (f"reward {result[f'{prefix}/reward/mean']:.3f}" if rewards else "no task finished"))
+        log(f"evaluation ({prefix}) of v{version} on {summary['n']} eval tasks: "
+            + (f"reward {summary['mean_reward']:.3f}" if summary["n"] else "no task finished"))
 
     def _start_evaluation(self, after_batch: int, *args: Any) -> None:
         job = asyncio.create_task(self.evaluate(after_batch, *args))
@@ -492,12 +473,9 @@ class Orchestrator:
         if self.failures.hopeless and self.broken is not None and not self.broken.done():
             self.broken.set_result(self.failures.verdict())
 
-    async def rollout(self, group: Group, kind: Any, train: bool = True) -> None:
-        """Fill ``group.samples`` with ``kind`` (its source's rollout kind); ``train`` False
-        (evaluation) leaves the throughput count alone."""
+    async def rollout(self, group: Group, kind: Any) -> None:
+        """Fill ``group.samples`` with ``kind`` (its source's rollout kind)."""
         await kind.run(group)
-        if train:
-            self.tokens_since_batch += group.tokens
 
     # ---- batches --------------------------------------------------------------------------
     async def write_batches(self) -> None:
@@ -526,11 +504,11 @@ class Orchestrator:
             samples: list[Sample] = []
             penalties: list[float] = []
             for src in self.sources:  # its estimator over its groups of the batch, one advantage per episode
-                episodes = [episodes_of(g) for g in src.batching]  # (an agent env's episode may be several samples)
-                shaped = [[reward + overlong_penalty(ep, self.o) for reward, ep in e.values()] for e in episodes]
-                penalties += [overlong_penalty(ep, self.o) for e in episodes for _, ep in e.values()]
+                by_group = [episodes(g.samples) for g in src.batching]  # (an agent env's episode may be several samples)
+                shaped = [[reward + overlong_penalty(ep, self.o) for reward, ep in e.values()] for e in by_group]
+                penalties += [overlong_penalty(ep, self.o) for e in by_group for _, ep in e.values()]
                 advantages = compute_advantages(shaped, src.advantage, src.cfg.advantage)
-                for g, e, adv in zip(src.batching, episodes, advantages, strict=True):
+                for g, e, adv in zip(src.batching, by_group, advantages, strict=True):
                     by_episode = dict(zip(e, adv, strict=True))
                     for i, s in enumerate(g.samples):
                         s.advantage = by_episode[s.episode if s.episode is not None else i]
@@ -552,7 +530,7 @@ class Orchestrator:
                 **self.failures.take_metrics(),
                 **self.client.take_metrics(),
                 "inference/policy_version": self.version,
-                "throughput/tokens_per_s": self.tokens_since_batch / max(now - last, 1e-9),
+                "batch/sampled_tokens": sum(s.sampled_tokens for s in samples),
                 "orchestrator/batch_seconds": now - last,
                 "seq_len/mean": sum(len(s.tokens) for s in samples) / len(samples),
                 "completion_len/mean": sum(s.sampled_tokens for s in samples) / len(samples),
@@ -572,7 +550,6 @@ class Orchestrator:
             for result in self.eval_results:  # evaluations that ended since the last batch
                 metrics.update(result)
             self.eval_results.clear()
-            self.tokens_since_batch = 0
             last = now
             await asyncio.to_thread(self._write_batch, RolloutBatch(step=n, samples=samples, metrics=metrics),
                                     position.record({src.name: [g.draw for g in src.batching if g.draw is not None]

@@ -288,13 +288,17 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             prune_weights(run, n, keep)
 
         step_s = t_end - t_start
+        wall_s = t_end - (last_end if last_end is not None else t_wait)  # since the previous step ended
+        sampled = sum(s.sampled_tokens for s in batch.samples)
         record = {
             **batch.metrics,
             "step": n,
             "policy_version": n,
             **stats,
             "lr": lr,
-            "time/step": t_end - (last_end if last_end is not None else t_wait),  # wall time of this step
+            "time/step": wall_s,  # wall time of this step: from the previous step's end (or this one's wait) to its end
+            # the tokens the policy sampled for this step's batch per second of that wall time
+            "throughput/sampled_tokens_per_s": sampled / max(wall_s, 1e-9),
             "time/train": step_s,  # the trainer's own compute, batch in hand to weights published
             "time/wait": t_start - t_wait,
             "time/publish": t_end - t_publish,  # of time/train: the weights written for inference

@@ -18,8 +18,10 @@ import attrs
 
 from primerl.config import EnvConfig
 from primerl.envs import SingleTurnEnv, Task
+from primerl_reverse_text.words import BASIC, ENGLISH_EVAL, ENGLISH_TRAIN
 
-WORDS = ["apple", "river", "stone", "cloud", "green", "light", "north", "quiet", "swift", "table", "water", "yellow", "amber", "brick", "candle", "dance", "eagle", "flame", "grape", "honey", "island", "jelly", "kite", "lemon", "maple", "night", "ocean", "pearl", "queen", "robin", "sugar", "tiger", "umbra", "violet", "wheat", "xenon", "yacht", "zebra", "bread", "chair", "dream", "field", "glass", "heart", "juice", "knife", "lunch", "music", "noble", "olive", "piano", "quilt", "radio", "salt", "train", "unity", "voice", "whale", "young", "zone", "moon", "star", "sun", "rain", "snow", "wind", "leaf"]
+WORDS = BASIC  # the quick start's words
+
 
 
 def lcs_length(a: str, b: str) -> int:
@@ -49,6 +51,10 @@ def _check_lengths(inst: ReverseTextConfig, _attr: attrs.Attribute, value: int) 
 @attrs.define(kw_only=True)
 class ReverseTextConfig(EnvConfig):
     name: str = "reverse-text"
+    # the words texts are made of: "basic", the quick start's 68 (train and eval tasks draw
+    # from all of them), or "english", about a thousand common words of which every fifth
+    # only ever appears in eval tasks (a held-out test of reversing, not of the answers)
+    words: str = attrs.field(default="basic", validator=attrs.validators.in_(("basic", "english")))
     min_words: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     max_words: int = attrs.field(default=1, validator=_check_lengths)
     num_train: int = attrs.field(default=20000, validator=attrs.validators.ge(1))
@@ -82,10 +88,23 @@ class ReverseText(SingleTurnEnv):
         "trainer": {"lr": 4e-4, "seq_len": 512, "micro_batch_rows": 32, "warmup_steps": 2},
         "inference": {"max_model_len": 256, "max_batch_size": 64, "kv_slots": 160},
     }
+    # A pretrained instruct model (model.checkpoint) already writes answers: no warm-up on
+    # the task's own answers, sampling at its trained temperature, and a learning rate for
+    # real weights (the preset's 4e-4 moves them so far in one step that samples one version
+    # old no longer match the policy: completions collapse and mismatch KL jumps above 1)
+    pretrained_run_defaults = {
+        "sft": {"steps": 0},
+        "orchestrator": {"batch_size": 32, "group_size": 8, "temperature": 1.0},
+        "trainer": {"lr": 1e-5, "warmup_steps": 0},
+    }
 
-    def _text(self, rng: random.Random) -> str:
+    def _text(self, rng: random.Random, split: str) -> str:
+        if self.config.words == "english":
+            words = ENGLISH_TRAIN if split == "train" else ENGLISH_EVAL
+        else:
+            words = WORDS
         n = rng.randint(self.config.min_words, self.config.max_words)
-        return " ".join(rng.choice(WORDS) for _ in range(n))
+        return " ".join(rng.choice(words) for _ in range(n))
 
     def tasks(self, split: str) -> Iterator[Task]:
         if split not in ("train", "eval"):
@@ -94,7 +113,7 @@ class ReverseText(SingleTurnEnv):
         count = self.config.num_train if split == "train" else self.config.num_eval
         rng = random.Random(f"{self.config.seed}-{split}")
         for i in range(count):
-            text = self._text(rng)
+            text = self._text(rng, split)
             yield Task(id=f"{split}-{i}", prompt=f"Reverse: {text}", answer=text[::-1], info={"text": text})
 
     def reward(self, task: Task, completion: str) -> float:

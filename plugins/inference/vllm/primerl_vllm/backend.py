@@ -93,7 +93,7 @@ class VllmBackend:
         server: VllmServer | None = None
         try:
             if cfg.model.checkpoint:
-                model_dir = Path(cfg.model.checkpoint).resolve()
+                model_dir = cfg.model.checkpoint_dir().resolve()
             else:
                 scratch = Path(tempfile.mkdtemp(prefix=f"primerl-vllm-{cfg.model.name}-"))
                 model_dir = self.write_initial_checkpoint(cfg, adapter, scratch / "initial")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from primerl.models import ModelAdapter, ModelCapabilities, ModelConfig
@@ -45,11 +44,11 @@ class TransformersAdapter(ModelAdapter):
         if config.checkpoint is None:
             raise ValueError("--model hf trains a checkpoint you bring: set --model.checkpoint DIR (a local HF "
                              "folder: config.json, *.safetensors, a tokenizer with its chat template)")
-        path = Path(config.checkpoint) / "config.json"
+        path = config.checkpoint_dir() / "config.json"
         try:
             hf = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ValueError(f"{config.checkpoint} has no config.json: not an HF checkpoint folder") from None
+            raise ValueError(f"{path.parent} has no config.json: not an HF checkpoint folder") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON ({exc})") from None
         model_type = hf.get("model_type")
@@ -101,7 +100,7 @@ class TransformersAdapter(ModelAdapter):
 
         hf_logging.disable_progress_bar()  # a progress bar per weight update in the servers' logs otherwise
         try:
-            model = AutoModelForCausalLM.from_pretrained(config.checkpoint, dtype=getattr(torch, config.dtype),
+            model = AutoModelForCausalLM.from_pretrained(config.checkpoint_dir(), dtype=getattr(torch, config.dtype),
                                                          trust_remote_code=False)
         except (OSError, ValueError) as exc:
             raise PrimerlError(f"transformers cannot load {config.checkpoint}: {exc}") from None
@@ -113,7 +112,7 @@ class TransformersAdapter(ModelAdapter):
     def tokenizer(self, config: ModelConfig) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(config.checkpoint)
+        return AutoTokenizer.from_pretrained(config.checkpoint_dir())
 
     def load_checkpoint(self, model: Any, directory: Any) -> None:
         """Overwrite ``model``'s weights in place from an HF checkpoint folder (published or
@@ -156,17 +155,6 @@ def _tied(model: Any) -> str | None:
 
 def plugin_for(model_type: str | None) -> str | None:
     """The installed model plugin that implements ``model_type`` itself, if any."""
-    if not model_type:
-        return None
-    from primerl.registry import get_registry
+    from primerl.models import plugin_for_model_type
 
-    reg = get_registry()
-    for component in reg.of_kind("model"):
-        if component.name == "hf" or component.error is not None:
-            continue
-        try:
-            if model_type in component.load().model_types:
-                return component.name
-        except Exception:  # noqa: BLE001 - a broken plugin is reported by `plugins list`, not here
-            continue
-    return None
+    return plugin_for_model_type(model_type)
