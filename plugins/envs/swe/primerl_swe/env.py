@@ -8,7 +8,8 @@ Tasks come from a SWE-bench-format JSONL (``--env.tasks FILE``, see :mod:`primer
 Each task's tests run in an environment of its own (:mod:`primerl_swe.testenv`): the
 checkout installed the way the ecosystem installs a project for development, layered over
 the interpreter running primerl, made on the task's first episode and cached. Each episode
-gets a scratch checkout of ``base_commit``; the agent inspects and edits it with file tools
+gets a scratch checkout of ``base_commit``, with what the task's install wrote into its tree
+(generated files, :mod:`primerl_swe.generated`) laid in; the agent inspects and edits it with file tools
 (checked to stay inside the checkout, symlinks included) and runs commands and tests in the
 sandbox (:mod:`primerl_swe.sandbox`). When the agent submits or runs out of turns, the files
 that ``test_patch`` touches are reset to ``base_commit``, ``test_patch`` is applied, and the
@@ -25,7 +26,8 @@ Harness failures are errors, never rewards. A task whose tests cannot run raises
 * its repository is missing or unusable, its environment cannot be made (the recipe's
   command and output), ``test_patch`` does not apply;
 * the **setup check** (once per task, cached with its environment) fails: with the gold
-  patch and ``test_patch`` applied, the test files must collect, every listed test must be
+  patch and ``test_patch`` applied, the test files must collect (a module that is a file the
+  build writes but the install did not is named), every listed test must be
   collected, and every module the tests import that the checkout holds must come from the
   checkout — an installed copy that shadows it is named with the path it came from;
 * a PASS_TO_PASS test does not pass on the clean ``base_commit`` with ``test_patch``
@@ -56,7 +58,7 @@ import attrs
 
 from primerl.envs import Task, TaskError
 from primerl.envs.multiturn import MultiTurnConfig, ToolEnv
-from primerl_swe import build_tasks, repo, sandbox, testenv
+from primerl_swe import build_tasks, generated, repo, sandbox, testenv
 from primerl_swe.records import TaskRecord, load_tasks
 
 __all__ = ["Swe", "SweConfig", "load_tasks"]
@@ -194,8 +196,9 @@ class Swe(ToolEnv):
         return sandbox.resolve(self.config.sandbox)
 
     def test_env(self, rec: TaskRecord, work: Path, *, network: bool = False) -> testenv.TestEnv:
-        """The environment the tests of ``work`` (a checkout of ``rec``) run in: the task's
-        cached one (bubblewrap), or one made for ``work`` in place (rlimit, removed with it)."""
+        """The environment the tests of ``work`` (a fresh checkout of ``rec``) run in: the task's
+        cached one (bubblewrap), whose recipe's output in the tree (generated files) is laid
+        into ``work``, or one made for ``work`` in place (rlimit, removed with it)."""
         kind = self._kind()
         try:
             if kind != "bwrap":
@@ -214,7 +217,10 @@ class Swe(ToolEnv):
                     if env.setup_s:
                         _log(f"made the environment of {rec.instance_id} in {env.setup_s:.1f}s ({env.root})")
                     self._envs[rec.instance_id] = env
-                return env
+            env.lay_into(work)
+            return env
+        except generated.WrittenError as e:
+            raise TaskError(str(e), task_id=rec.instance_id) from None
         except testenv.SetupFailed as e:
             raise TaskError(str(e), task_id=rec.instance_id) from None
         except sandbox.SandboxError as e:
@@ -294,7 +300,10 @@ class Swe(ToolEnv):
         if report.collect_errors:
             err = report.collect_errors[0]
             more = f" (and {len(report.collect_errors) - 1} more)" if len(report.collect_errors) > 1 else ""
-            return _Checked(f"the tests cannot be collected {where}: {err['nodeid']}: {err['message']}{more}")
+            why = generated.explain(err["message"], work, repo.git_dir(work), env.written,
+                                    rec.recipe.install or (testenv.DEFAULT_INSTALL if env.installed
+                                                           else "none: the checkout declares no project"))
+            return _Checked(f"the tests cannot be collected {where}: {err['nodeid']}: {err['message']}{more}{why}")
         listed = rec.tests if with_patch else list(rec.pass_to_pass)
         missing = [t for t in listed if t not in set(report.collected)]
         if missing:
@@ -422,18 +431,19 @@ class Swe(ToolEnv):
             return e.cause, True
         try:
             try:
+                env = self.test_env(rec, work)
+            except TaskError as e:
+                return e.cause, True
+            try:
                 repo.apply_patch(work, rec.test_patch)
             except repo.RepoError as e:
                 return f"test_patch does not apply to base_commit {base[:12]}: {e}", True
             timeout = self.config.test_timeout_s
             try:
-                env = self.test_env(rec, work)
                 report, result = repo.run_tests(work, rec.tests, env=env, kind=self.config.sandbox,
                                                 limits=self._limits(timeout), test_cmd=rec.recipe.test_cmd)
             except sandbox.SandboxError as e:
                 return str(e), False
-            except TaskError as e:
-                return e.cause, True
             where = f"on base_commit {base[:12]} with test_patch applied"
             if result.timed_out:
                 return (f"the task's tests time out after {timeout:g}s {where}; raise --env.test_timeout_s "

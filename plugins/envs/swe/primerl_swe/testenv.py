@@ -24,7 +24,10 @@ development:
 Every episode's fresh checkout is mounted at the same :data:`TESTBED` path, so one
 environment serves every episode of the task: it is made on the task's first episode and
 cached under ``<cache_dir>/envs/``, keyed by the repository, the base commit, the recipe and
-the interpreter (a file lock makes concurrent env workers build it once). The
+the interpreter (a file lock makes concurrent env workers build it once). What the recipe
+leaves in the checkout it ran on (files the build writes into the tree: a ``version-file``,
+generated modules; ``pre_install`` edits) is recorded with the environment and laid into
+every episode's checkout (:mod:`primerl_swe.generated`, :meth:`TestEnv.lay_into`). The
 ``rlimit`` sandbox cannot mount, so there the environment is made per checkout, in place.
 
 Recipes that need the registry (``pip_packages``, an ``install`` with dependencies) are run
@@ -49,12 +52,14 @@ from typing import Any
 
 import attrs
 
-from primerl_swe import sandbox
+from primerl_swe import generated, sandbox
 from primerl_swe.records import TaskRecord
 
 TESTBED = "/tmp/testbed"  # where the sandbox shows every checkout (bubblewrap)
-FORMAT = 1  # bump when the layout of an environment changes: older ones are rebuilt
+FORMAT = 2  # bump when the layout of an environment changes: older ones are rebuilt
 READY = ".primerl-env.json"
+WRITTEN = "written"  # in an environment: copies of what its recipe left in the checkout (primerl_swe.generated)
+INSTALL_LOG = "install.log"  # in an environment: each recipe command and its output
 # copied into each environment (its site-packages): the harness's pytest plugin and its
 # editable installer, so the sandbox needs nothing of primerl's own installation
 REPORT_PLUGIN = "primerl_swe_report"
@@ -76,6 +81,8 @@ class TestEnv:
     checkout_at: str  # TESTBED, or (rlimit) the checkout's own path
     setup_s: float = 0.0  # how long making it took (0 when it came from the cache)
     installed: bool = True  # False: the checkout declares no project, nothing was installed
+    # what the recipe left in the checkout it was made on, laid into every episode's checkout
+    written: generated.Written = generated.Written()
 
     @property
     def bin(self) -> Path:
@@ -84,6 +91,11 @@ class TestEnv:
     @property
     def python(self) -> str:
         return str(self.bin / "python")
+
+    def lay_into(self, checkout: Path) -> None:
+        """Put what the recipe left in the checkout the environment was made on (the files its
+        build wrote, its edits) into ``checkout``, a fresh one at the same commit."""
+        generated.lay(self.written, self.root / WRITTEN, checkout)
 
 
 def layered_site_dirs() -> list[str]:
@@ -202,6 +214,8 @@ def _install(env: TestEnv, checkout: Path, rec: TaskRecord, *, kind: str, networ
         result = sandbox.run(step, checkout, kind=kind, limits=limits, ro_paths=[str(git_dir)] if git_dir else [],
                              rw_paths=[str(env.root)], workdir_at=env.checkout_at, path_first=[str(env.bin)],
                              network=network)
+        with open(env.root / INSTALL_LOG, "a") as log:
+            log.write(f"$ {step}\n{result.output}\n")
         if result.returncode != 0 or result.timed_out:
             why = "timed out" if result.timed_out else f"exit code {result.returncode}"
             net = "" if network else (" (no network: a recipe that downloads needs `primerl env prepare swe` "
@@ -215,8 +229,10 @@ def _install(env: TestEnv, checkout: Path, rec: TaskRecord, *, kind: str, networ
 
 
 def make(root: Path, checkout: Path, rec: TaskRecord, *, kind: str, checkout_at: str, network: bool = False,
-         git_dir: Path | None = None, timeout_s: float = 600.0) -> TestEnv:
-    """Make the environment at ``root`` for ``checkout`` (seen at ``checkout_at`` in the sandbox)."""
+         git_dir: Path | None = None, timeout_s: float = 600.0, record: bool = False) -> TestEnv:
+    """Make the environment at ``root`` for ``checkout`` (seen at ``checkout_at`` in the sandbox).
+    ``record``: keep what the recipe leaves in ``checkout`` (a clean checkout with its git
+    directory ``git_dir``) for :meth:`TestEnv.lay_into` other checkouts."""
     t0 = time.monotonic()
     shutil.rmtree(root, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -226,13 +242,23 @@ def make(root: Path, checkout: Path, rec: TaskRecord, *, kind: str, checkout_at:
     env = TestEnv(root=root, checkout_at=checkout_at)
     try:
         installed = _install(env, checkout, rec, kind=kind, network=network, git_dir=git_dir, timeout_s=timeout_s)
+        written = generated.record(checkout, git_dir, root / WRITTEN) if record and git_dir else generated.Written()
+    except generated.WrittenError as e:
+        shutil.rmtree(root, ignore_errors=True)
+        raise SetupFailed(f"setting up the task's environment failed: {e}") from None
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
     seconds = time.monotonic() - t0
     (root / READY).write_text(json.dumps({"key": env_key(rec), "installed": installed, "setup_s": seconds,
-                                          "checkout_at": checkout_at}))
-    return attrs.evolve(env, setup_s=seconds, installed=installed)
+                                          "checkout_at": checkout_at, "written": written.to_json()}))
+    return attrs.evolve(env, setup_s=seconds, installed=installed, written=written)
+
+
+def _ready(root: Path) -> TestEnv:
+    info = json.loads((root / READY).read_text())
+    return TestEnv(root=root, checkout_at=info["checkout_at"], installed=info["installed"],
+                   written=generated.Written.from_json(info.get("written")))
 
 
 def cached(cache_dir: Path, rec: TaskRecord, build_checkout, *, kind: str, network: bool = False,
@@ -243,15 +269,13 @@ def cached(cache_dir: Path, rec: TaskRecord, build_checkout, *, kind: str, netwo
     root = env_dir(cache_dir, rec)
     ready = root / READY
     if ready.is_file():
-        info = json.loads(ready.read_text())
-        return TestEnv(root=root, checkout_at=info["checkout_at"], installed=info["installed"])
+        return _ready(root)
     with _locked(root.with_name(root.name + ".lock")):
         if ready.is_file():  # another process made it while this one waited
-            info = json.loads(ready.read_text())
-            return TestEnv(root=root, checkout_at=info["checkout_at"], installed=info["installed"])
+            return _ready(root)
         checkout, git_dir, done = build_checkout()
         try:
             return make(root, checkout, rec, kind=kind, checkout_at=TESTBED, network=network, git_dir=git_dir,
-                        timeout_s=timeout_s)
+                        timeout_s=timeout_s, record=True)
         finally:
             done()
