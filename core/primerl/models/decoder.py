@@ -200,7 +200,7 @@ class DecoderLM(nn.Module):
         slots: Tensor | range | None = None,
         past_lens: Tensor | None = None,
         replay_experts: Tensor | None = None,
-        logits_for: str = "all",
+        logits_for: str | Tensor = "all",
     ) -> ModelOutput:
         """One forward over a right-padded batch of new tokens.
 
@@ -216,13 +216,19 @@ class DecoderLM(nn.Module):
             place instead of gathered.
         replay_experts: [B, S, n_moe_layers, top_k] expert ids to force in each MoE layer
             (ignored at padding); weights still come from the router's own scores.
-        logits_for: "all" -> logits [B, S, V]; "last" -> [B, V] at each row's last valid token.
+        logits_for: "all" -> logits [B, S, V]; "last" -> [B, V] at each row's last valid token;
+            a bool [B, S] mask -> [N, V] at its N True positions, in row order (the trainer asks
+            only for the positions whose next token it trains on: the head and its softmax,
+            49k columns for a real vocabulary, are not computed for prompt tokens).
         """
         B, S = input_ids.shape
         device = input_ids.device
         k = self.config.num_experts_per_tok
-        if logits_for not in ("all", "last"):
-            raise ValueError(f"logits_for must be 'all' or 'last', got {logits_for!r}")
+        selected = isinstance(logits_for, Tensor)
+        if selected and (logits_for.dtype != torch.bool or logits_for.shape != (B, S)):
+            raise ValueError(f"logits_for as a mask must be bool [B, S] = [{B}, {S}]")
+        if not selected and logits_for not in ("all", "last"):
+            raise ValueError(f"logits_for must be 'all', 'last' or a bool [B, S] mask, got {logits_for!r}")
         if replay_experts is not None and replay_experts.shape != (B, S, len(self.moe_layers), k):
             raise ValueError(f"replay_experts must be [B, S, {len(self.moe_layers)}, {k}]")
 
@@ -262,7 +268,9 @@ class DecoderLM(nn.Module):
             x = seg.scatter(x)  # [B, S, hidden]
             used, own = [seg.scatter(t) for t in used], [seg.scatter(t) for t in own]
 
-        if logits_for == "last":
+        if selected:
+            x = x[logits_for]  # [N, hidden]
+        elif logits_for == "last":
             x = x[torch.arange(B, device=device), (lengths - 1).clamp(min=0)]  # [B, hidden]
         # a bf16 trainer: the head computes in the dtype of the residual stream and weights
         # (float32, unless FSDP2 casts the parameters to bf16)

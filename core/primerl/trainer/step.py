@@ -40,9 +40,12 @@ def compute_precision(t: TrainerConfig) -> AbstractContextManager:
 
 
 def row_forward(model: torch.nn.Module, row: dict[str, torch.Tensor | None], replay: bool,
-                precision: AbstractContextManager | None = None) -> tuple[torch.Tensor, Any]:
+                precision: AbstractContextManager | None = None, only: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, Any]:
     """Trainer logprobs of packed rows' targets ([k, m]; row tensors are [k, m, ...]) and the
-    model output (for its routing), the forward under ``precision`` (:func:`compute_precision`)."""
+    model output (for its routing), the forward under ``precision`` (:func:`compute_precision`).
+    ``only``: a bool [k, m] mask of the positions whose logprobs are needed (the loss's): the
+    head runs there alone and the other positions' logprobs are 0, with no gradient."""
     with precision or nullcontext():
         out = model(
             row["input_ids"],
@@ -51,10 +54,12 @@ def row_forward(model: torch.nn.Module, row: dict[str, torch.Tensor | None], rep
             segment_ids=row["segment_ids"],
             prefix_ids=row["prefix_ids"],
             replay_experts=row["replay_experts"] if replay else None,
-            logits_for="all",
+            logits_for="all" if only is None else only,
         )
-    # logits [k, m, V]; temperature per position [k, m]
-    return token_logprobs(out.logits, row["targets"], row["temperatures"]), out
+    if only is None:  # logits [k, m, V]; temperature per position [k, m]
+        return token_logprobs(out.logits, row["targets"], row["temperatures"]), out
+    chosen = token_logprobs(out.logits, row["targets"][only], row["temperatures"][only])  # logits [N, V] -> [N]
+    return chosen.new_zeros(only.shape).masked_scatter(only, chosen), out
 
 
 def routing_agreement(own: torch.Tensor, inference: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -149,7 +154,8 @@ def rl_step(
         mask = row["loss_mask"] & real  # [k, m]
         if alone and not bool(mask.any()):
             continue  # nothing to learn from these rows
-        lp, out = row_forward(model, row, replay, compute_precision(t))  # [k, m]
+        # the head only where the loss reads it (context parallel returns each rank's own tokens: all of them)
+        lp, out = row_forward(model, row, replay, compute_precision(t), only=mask if t.parallel.cp == 1 else None)
         balancer.observe(out.router_experts, real)
         if t.routing_metrics and row["replay_experts"] is not None and out.router_experts.shape[2]:
             agree = routing_agreement(out.router_experts, row["replay_experts"], real)

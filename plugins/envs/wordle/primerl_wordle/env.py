@@ -60,6 +60,8 @@ class Wordle(MultiTurnEnv):
         "trainer": {"lr": 4e-4, "seq_len": 512},
         "inference": {"max_model_len": 512, "kv_slots": 64},
     }
+    # a pretrained instruct model (model.checkpoint): a learning rate for real weights
+    pretrained_run_defaults = {"trainer": {"lr": 1e-5}}
 
     def tasks(self, split: str) -> Iterator[Task]:
         if split not in ("train", "eval"):

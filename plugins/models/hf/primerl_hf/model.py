@@ -268,13 +268,15 @@ class TransformersLM(nn.Module):
         slots: Tensor | range | None = None,
         past_lens: Tensor | None = None,
         replay_experts: Tensor | None = None,
-        logits_for: str = "all",
+        logits_for: str | Tensor = "all",
     ) -> ModelOutput:
-        """The contract of :meth:`primerl.models.decoder.DecoderLM.forward` (see there)."""
+        """The contract of :meth:`primerl.models.decoder.DecoderLM.forward` (see there; a mask
+        in ``logits_for`` selects from every position's logits: transformers' head runs whole)."""
         B, S = input_ids.shape
         device = input_ids.device
-        if logits_for not in ("all", "last"):
-            raise ValueError(f"logits_for must be 'all' or 'last', got {logits_for!r}")
+        selected = isinstance(logits_for, Tensor)
+        if not selected and logits_for not in ("all", "last"):
+            raise ValueError(f"logits_for must be 'all', 'last' or a bool [B, S] mask, got {logits_for!r}")
         if replay_experts is not None and replay_experts.shape[2]:
             raise PrimerlError("the hf model does not replay routed experts (trainer.router_replay)")
         i = torch.arange(S, device=device)
@@ -304,6 +306,9 @@ class TransformersLM(nn.Module):
         keep = (lengths - 1).clamp(min=0)[:, None] if logits_for == "last" else 0  # [B, 1]: each row's last
         out = self.hf(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                       use_cache=kv is not None, logits_to_keep=keep, **{self._cache_kwarg: kv})
-        logits = out.logits[:, 0] if logits_for == "last" else out.logits  # [B, V] or [B, S, V]
+        if selected:
+            logits = out.logits[logits_for]  # [N, V]
+        else:
+            logits = out.logits[:, 0] if logits_for == "last" else out.logits  # [B, V] or [B, S, V]
         none = torch.zeros(B, S, 0, 0, dtype=torch.int16, device=device)
         return ModelOutput(logits, none, none)
