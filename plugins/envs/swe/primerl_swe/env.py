@@ -290,8 +290,15 @@ class Swe(ToolEnv):
         if result.timed_out:
             return _Checked(f"collecting the tests timed out after {self.config.test_timeout_s:g}s {where}; raise "
                             f"--env.test_timeout_s (output: {sandbox._tail(result.output)})", lasting=False)
+        install = rec.recipe.install or (testenv.DEFAULT_INSTALL if env.installed
+                                         else "none: the checkout declares no project")
+
+        def generated_file(said: str) -> str:  # the module it cannot import is a file the build writes
+            return generated.explain(said, work, repo.git_dir(work), env.written, install)
+
         if not report.written:
-            return _Checked(f"pytest did not run {where}: {sandbox._tail(result.describe())}")
+            return _Checked(f"pytest did not run {where}: {sandbox._tail(result.describe())}"
+                            f"{generated_file(result.output)}")
         if report.shadowed:
             name, path = next(iter(sorted(report.shadowed.items())))
             return _Checked(f"the tests import {name} from {path}, not from the checkout: an installed copy shadows "
@@ -300,10 +307,8 @@ class Swe(ToolEnv):
         if report.collect_errors:
             err = report.collect_errors[0]
             more = f" (and {len(report.collect_errors) - 1} more)" if len(report.collect_errors) > 1 else ""
-            why = generated.explain(err["message"], work, repo.git_dir(work), env.written,
-                                    rec.recipe.install or (testenv.DEFAULT_INSTALL if env.installed
-                                                           else "none: the checkout declares no project"))
-            return _Checked(f"the tests cannot be collected {where}: {err['nodeid']}: {err['message']}{more}{why}")
+            return _Checked(f"the tests cannot be collected {where}: {err['nodeid']}: {err['message']}{more}"
+                            f"{generated_file(err['message'])}")
         listed = rec.tests if with_patch else list(rec.pass_to_pass)
         missing = [t for t in listed if t not in set(report.collected)]
         if missing:
