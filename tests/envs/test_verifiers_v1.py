@@ -138,6 +138,69 @@ def test_a_group_is_token_exact_with_the_engines_logprobs(server):
     env.close()
 
 
+@pytest.mark.slow
+def test_the_null_harness_runs_in_the_worker_without_a_process(server):
+    """The null harness in the subprocess runtime is primerl-null: its chat program runs in the
+    worker, so a group starts no process (no child CPU is reaped) and gives what verifiers'
+    own per-rollout launch gives; --env.in_process false launches one per rollout."""
+    import resource
+
+    from primerl_null import WorkerNullHarness
+    from primerl_verifiers.env import VerifiersEnv
+    from verifiers.v1.harnesses.null.harness import NullHarness
+
+    children = lambda: (lambda r: r.ru_utime + r.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))
+    results = {}
+    for in_process in (True, False):
+        env = VerifiersEnv(config(in_process=in_process))
+        task = next(iter(env.tasks("train")))
+        env.run_group(task, endpoint(server.url), 1)  # the worker's first group loads what it needs
+        before = children()
+        episodes = env.run_group(task, endpoint(server.url), 4)
+        results[in_process] = (children() - before, episodes, type(env._v1.env._harnesses["agent"]))
+        env.close()
+    (in_worker, episodes, harness), (launched, launched_episodes, verifiers_harness) = results[True], results[False]
+    assert harness is WorkerNullHarness and verifiers_harness is NullHarness
+    assert in_worker < 0.05 < launched, (in_worker, launched)  # a launched program costs a Python start-up
+    for ep in episodes + launched_episodes:
+        assert ep.error is None and 0.0 <= ep.reward <= 1.0 and set(ep.metrics) == {"exact"}
+        (call,) = ep.calls
+        assert call.prompt_ids == prompt_ids(byte_tokenizer(), task.messages()) and call.completion_ids
+
+
+def test_only_the_null_harness_in_the_subprocess_runtime_runs_in_the_worker():
+    from primerl_verifiers.v1 import harness_id
+
+    assert harness_id(config()) == "primerl-null"
+    assert harness_id(config(in_process=False)) == "null"
+    assert harness_id(config(runtime="docker")) == "null"  # the program runs in the container
+    assert harness_id(config(harness="bash")) == "bash"  # its bash tool runs in the runtime
+
+
+def test_the_in_worker_program_exits_as_its_process_would(tmp_path):
+    """primerl-null's program result is the process's: argparse's usage error exits 2 with its
+    usage text, a failure inside exits 1 with its traceback, a model transport error exits
+    with verifiers' transport status; a file argument is the runtime workdir's."""
+    import primerl_null
+    from verifiers.v1.errors import MODEL_TRANSPORT_ERROR_EXIT_CODE
+
+    async def run(*argv):
+        try:
+            return await primerl_null.run_program(list(argv), tmp_path)
+        finally:
+            await primerl_null.aclose()
+
+    usage = asyncio.run(run())
+    assert usage.exit_code == 2 and "the following arguments are required: --base-url" in usage.stderr
+    dead = ["--base-url=http://127.0.0.1:9/v1", "--api-key=k", "--model=m", "--initial-messages-file=m.json"]
+    missing = asyncio.run(run(*dead))
+    assert missing.exit_code == 1 and f"FileNotFoundError: [Errno 2] No such file or directory: '{tmp_path / 'm.json'}'" in missing.stderr
+    (tmp_path / "m.json").write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    transport = asyncio.run(run(*dead))
+    assert transport.exit_code == MODEL_TRANSPORT_ERROR_EXIT_CODE and "APIConnectionError" in transport.stderr
+    assert not (tmp_path / "m.json").exists()  # read and removed, as the program does
+
+
 class ScriptedPolicy:
     """An engine in front of the real one whose first turn is scripted: while no tool result
     is in the prompt it answers ``first`` (with the real engine's logprobs of those tokens),
@@ -259,6 +322,7 @@ def test_uv_comes_from_the_venv_that_runs_or_is_asked_for(tmp_path, monkeypatch)
     monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))
     with pytest.raises(ValueError, match=r"env.runtime: .*uv, which is not installed; .* -m pip install uv$"):
         _ensure_uv()
+    _ensure_uv(required=False)  # primerl-null: no process to launch, no uv needed
 
 
 @pytest.mark.slow

@@ -73,6 +73,9 @@ class VerifiersConfig(AgentConfig):
     harness: str = attrs.field(default="null", validator=_named)
     runtime: str = attrs.field(default="subprocess", validator=_named)
     max_turns: int = attrs.field(default=8, validator=_positive)  # v1: model turns per episode
+    # v1: the null harness in the subprocess runtime runs its chat program inside the env worker
+    # (primerl-null); false: verifiers starts it as a process (with uv) per rollout
+    in_process: bool = True
     # v1: the turns' renderer by name (renderers' glm-5, kimi-k2, qwen3, default..., or primerl-byte);
     # "": primerl-byte for the byte tokenizer, else the checkpoint's model type's, else renderers' choice
     renderer: str = attrs.field(default="", validator=_renderer)

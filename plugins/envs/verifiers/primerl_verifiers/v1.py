@@ -8,7 +8,8 @@ endpoint ``/inference/v1/generate``, which ``primerl inference`` serves on both 
 
 So this module, used by :class:`primerl_verifiers.env.VerifiersEnv` when verifiers 0.4 is
 installed, loads the environment by id (``--env.id NAME``, ``--env.args.KEY V`` as the
-taskset's options, ``env.harness``, ``env.runtime``, ``env.max_turns``), runs each group as
+taskset's options, ``env.harness``, ``env.runtime``, ``env.max_turns``; ``null`` in the
+subprocess runtime is :mod:`primerl_null`, its program run in the worker), runs each group as
 ``n`` slots of its task with verifiers' own train client against primerl's inference
 (renderer chosen per model, ``env.renderer`` to override), and turns every trace into a
 primerl :class:`~primerl.envs.agent.Episode` token-exact: each of its branches (the path
@@ -41,6 +42,7 @@ from primerl.envs.agent import Endpoint, Episode, ModelCall
 from primerl.samples import NO_VERSION
 
 API_KEY_VAR = "PRIMERL_API_KEY"  # where verifiers' client reads the servers' key: primerl's own variable for it
+IN_WORKER = "primerl-null"  # the null harness run in the env worker (the primerl_null package)
 BYTE = "primerl-byte"  # env.renderer's name for primerl's byte tokenizer's renderer
 # renderers' names for the model types primerl serves (its auto resolution matches Hub ids
 # only, never a checkpoint folder)
@@ -110,6 +112,15 @@ def episodes_of(episode: Any) -> list[Episode]:
     return out
 
 
+def harness_id(config: Any) -> str:
+    """The harness verifiers loads: ``null`` in the subprocess runtime is :mod:`primerl_null`
+    (its chat program awaited in the env worker, no process per rollout) unless
+    ``env.in_process`` is off; any other harness as named."""
+    if config.harness == "null" and config.runtime == "subprocess" and config.in_process:
+        return IN_WORKER
+    return config.harness
+
+
 def _check_installed(key: str, ident: str) -> None:
     """``env.id`` names an installed taskset, ``env.harness`` a harness: else one line saying so."""
     from verifiers.v1.utils.loaders import builtin_harness_ids, import_harness, import_taskset
@@ -128,15 +139,16 @@ def _check_installed(key: str, ident: str) -> None:
         raise ValueError(f"env.{key}: verifiers finds no {kind} {ident!r} installed; {fix}") from None
 
 
-def _ensure_uv() -> None:
+def _ensure_uv(required: bool = True) -> None:
     """The subprocess runtime runs verifiers' harness programs with ``uv`` found on ``PATH``
     (else it tries to download uv from astral.sh, which fails offline). A venv used without
     being activated (``/path/venv/bin/primerl run``) has uv in its scripts folder but not on
-    ``PATH``: put that folder first, as activating it would; no uv anywhere is one line."""
+    ``PATH``: put that folder first, as activating it would; no uv anywhere is one line
+    where the harness ``required`` it."""
     scripts = sysconfig.get_path("scripts")
     if shutil.which("uv") is None and shutil.which("uv", path=scripts):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    if shutil.which("uv") is None:
+    if required and shutil.which("uv") is None:
         raise ValueError(f"env.runtime: verifiers' subprocess runtime runs its harness with uv, which is not "
                          f"installed; {sys.executable} -m pip install uv")
 
@@ -177,10 +189,11 @@ class V1Bridge:
             c = self.config
             _check_installed("id", c.id)
             _check_installed("harness", c.harness)
-            if c.runtime == "subprocess":
-                _ensure_uv()
+            harness = harness_id(c)
+            if c.runtime == "subprocess":  # primerl-null launches with uv only where its program needs a process
+                _ensure_uv(required=harness != IN_WORKER)
             spec = {"taskset": {"id": c.id, **c.args},
-                    "agent": {"harness": {"id": c.harness}, "runtime": {"type": c.runtime}, "max_turns": c.max_turns}}
+                    "agent": {"harness": {"id": harness}, "runtime": {"type": c.runtime}, "max_turns": c.max_turns}}
             try:
                 self._env = vf.load_environment(vf.resolve_env_config(spec))
             except ValidationError as exc:  # a taskset option, the runtime or the harness' own
@@ -271,3 +284,5 @@ class V1Bridge:
         if self._serving is not None:
             await self._serving.aclose()
             self._serving = None
+        if "primerl_null" in sys.modules:  # the in-worker program's HTTP client on this loop
+            await sys.modules["primerl_null"].aclose()
