@@ -266,6 +266,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
     share = share_prompts(cfg, model)
     replay_warned = False
     last_end = None
+    checkpoint_s = 0.0  # the previous step's checkpoint write (part of this step's wall time)
     for n in range(start + 1, cfg.max_steps + 1):
         t_wait = time.perf_counter()
         watchdog.doing(f"step {n} of {cfg.max_steps}")
@@ -302,6 +303,7 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             "time/train": step_s,  # the trainer's own compute, batch in hand to weights published
             "time/wait": t_start - t_wait,
             "time/publish": t_end - t_publish,  # of time/train: the weights written for inference
+            "time/checkpoint": checkpoint_s,  # of time/step: the previous step's resumable checkpoint written
             "time/end": time.time(),
             "trainer/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
             "trainer/tokens": packed.num_tokens,
@@ -323,10 +325,13 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             f"step {step_s:.2f}s wait {t_start - t_wait:.2f}s"
             + (f" routing_agreement {stats['routing_agreement']:.3f}" if "routing_agreement" in stats else ""))
 
+        checkpoint_s = 0.0
         if (t.checkpoint_every and n % t.checkpoint_every == 0) or n == cfg.max_steps:
+            t_checkpoint = time.perf_counter()
             save_checkpoint(run, n, model, optimizer, scheduler, adapter=adapter, tokenizer=tokenizer,
                             parallelism=parallelism)
             pruned = prune_checkpoints(run, n, t.keep_checkpoints) if is_publisher() else []
+            checkpoint_s = time.perf_counter() - t_checkpoint
             log(f"saved checkpoints/{step_name(n)}"
                 + (f"; deleted {', '.join(step_name(m) for m in pruned)} (keep_checkpoints {t.keep_checkpoints})"
                    if pruned else ""))
