@@ -23,6 +23,7 @@ import os
 import struct
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -129,26 +130,39 @@ def apply(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return copied
 
 
-def adopt(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+@dataclass
+class Adopted:
+    """What :func:`adopt` did: the bytes it had to copy (tensors it could not adopt) and the
+    tensors the parameters held before. The old weights' memory (the previous mapping, or
+    the weights the model was built with) is freed when this record is dropped (tens of ms
+    for a few hundred MiB): the embedded engine hands it back to the thread that asked for
+    the update and drops it there, so that freeing is no part of its step gap."""
+
+    copied: int
+    replaced: list[torch.Tensor] = field(repr=False)
+
+
+def adopt(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Adopted:
     """Point parameters at the mapped tensors instead of copying (same-machine CPU serving).
 
     The co-located channel at its floor: the update is a pointer swap per tensor, and the
     pages are shared with the file in /dev/shm (no second copy of the weights in RAM).
     Tensors that cannot be adopted (other dtype or device, or storage shared by several
-    parameters) are copied. Needs ``stage(..., writable=True)``. Returns bytes copied.
+    parameters) are copied. Needs ``stage(..., writable=True)``.
     """
     shared: dict[int, int] = {}
     for dst, _ in pairs:
         shared[dst.data_ptr()] = shared.get(dst.data_ptr(), 0) + 1
-    copied = 0
+    done = Adopted(copied=0, replaced=[])
     with torch.no_grad():
         for dst, src in pairs:
             if dst.dtype == src.dtype and dst.device.type == "cpu" and shared[dst.data_ptr()] == 1:
+                done.replaced.append(dst.data)  # kept: freeing it here would lengthen the step gap
                 dst.data = src
             else:
                 dst.copy_(src)
-                copied += src.numel() * src.element_size()
-    return copied
+                done.copied += src.numel() * src.element_size()
+    return done
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:

@@ -275,8 +275,14 @@ def test_shm_channel_adopts_mapped_weights_and_rejects_bad_files(setup, tmp_path
     with pytest.raises(WeightsError, match="missing tensor"):
         stage(model, bad, writable=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())  # untouched
-    copied = adopt(stage(model, path, writable=True))
-    assert copied == 0  # same dtype on CPU: every tensor adopted, nothing copied
+    pairs = stage(model, path, writable=True)
+    old = sorted(dst.data_ptr() for dst, _ in pairs)
+    done = adopt(pairs)
+    assert done.copied == 0  # same dtype on CPU: every tensor adopted, nothing copied
+    # no copy: each parameter's storage is the mapped file's, and what it held before is handed back
+    assert all(dst.data_ptr() == src.data_ptr() for dst, src in pairs)
+    assert sorted(t.data_ptr() for t in done.replaced) == old
+    del pairs, done
     assert all(torch.equal(model.state_dict()[k], v) for k, v in new.items())
     # adopted tensors are copy-on-write: a later in-place update leaves the file intact
     with torch.no_grad():
@@ -301,6 +307,32 @@ def test_shm_channel_adopts_mapped_weights_and_rejects_bad_files(setup, tmp_path
     assert not any(p.is_inference() for p in model.parameters())
     ref = make_engine(newer, tok).generate(tok.encode("hi"), SamplingParams(max_tokens=6, temperature=0))[0]
     assert out.output_ids == ref.output_ids
+
+
+def test_what_a_weight_update_returns_is_let_go_in_the_calling_thread(setup):
+    """An adoption returns the weights it replaced; freeing them (unmapping the previous file)
+    happens in the thread that asked for the update, after the engine has resumed, not in
+    the engine's step gap."""
+    import threading
+
+    _, _, model, tok = setup
+    freed_in: list[str] = []
+
+    class Replaced:
+        def __del__(self) -> None:
+            freed_in.append(threading.current_thread().name)
+
+    eng = make_engine(model, tok)
+    eng.start()
+    try:
+        eng.submit(tok.encode("hi"), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        caller = threading.Thread(target=lambda: eng.update_weights(Replaced), name="caller")
+        caller.start()
+        caller.join()
+        assert freed_in == ["caller"]
+        assert eng.version == 1
+    finally:
+        eng.stop()
 
 
 def test_priority_orders_the_queue_and_equal_priorities_keep_arrival_order(setup):

@@ -288,20 +288,24 @@ class Engine:
         if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= 20:
             raise RequestError("prompt logprobs must be between 0 and 20")
 
-    def update_weights(self, apply: Callable[[], None], version: int | None = None, wait: bool = True) -> int:
-        """Run ``apply`` (which copies new weights into the model) between two steps."""
+    def update_weights(self, apply: Callable[[], object], version: int | None = None, wait: bool = True) -> int:
+        """Run ``apply`` (which puts new weights into the model) between two steps. What it
+        returns is dropped here, in the calling thread, after the engine has resumed: an
+        adoption (:func:`primerl.weights.adopt`) returns the tensors it replaced, so freeing
+        the old weights is no part of the step gap."""
         done = threading.Event()
-        box: list = []
+        out: dict[str, object] = {}  # "error" or "result", set by the thread that applies
         with self._lock:
             new_version = version if version is not None else self.version + 1
-            self._updates.append((apply, new_version, done, box))
+            self._updates.append((apply, new_version, done, out))
             self._lock.notify_all()
         if not self.running_in_thread():
             self._apply_updates()
         elif wait:
             done.wait()
-        if box:
-            raise box[0]
+        if "error" in out:
+            raise out["error"]
+        out.clear()  # apply's result (an adoption's old weights) freed in this thread
         return new_version
 
     def abort(self, seqs: list[Sequence]) -> None:
@@ -391,16 +395,16 @@ class Engine:
 
     def _apply_updates(self) -> None:
         while self._updates:
-            apply, version, done, box = self._updates.popleft()
+            apply, version, done, out = self._updates.popleft()
             t0 = time.perf_counter()
             try:
                 with torch.no_grad():
-                    apply()
+                    out["result"] = apply()  # dropped by update_weights, in the caller's thread
                 self.version = self.slots.version = version
                 self.reset_prefix_cache()  # idle prefixes were computed by the old weights
                 self.stats.weight_updates += 1
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                box.append(exc)
+                out["error"] = exc
             self.stats.last_update_seconds = time.perf_counter() - t0
             done.set()
 
