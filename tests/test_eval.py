@@ -72,3 +72,38 @@ def test_eval_of_a_run_scores_its_checkpoint(tmp_path):
                        (["--run", str(tmp_path)], "no config.toml there")):
         r = primerl("eval", *args)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_port_another_server_answers_on_is_refused_not_scored(monkeypatch):
+    """The port the evaluation picked is taken before its own server binds it (a run on the
+    same machine finishing its model load): the other server answers /health, and the
+    evaluation must stop rather than score that server's model."""
+    import http.server
+    import threading
+
+    import primerl.launchers
+    from primerl.config import ConfigSources, load_config
+    from primerl.errors import PrimerlError
+    from primerl.eval_command import EvalRequest, evaluate
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"status": "ok", "policy_version": 0}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(primerl.launchers, "pick_ports", lambda host, first, n: [other.server_port])
+        cfg = load_config(ConfigSources(), {"model.name": "glm5", "env.name": "reverse-text"})
+        with pytest.raises(PrimerlError, match=f"another process answers on port {other.server_port}"):
+            evaluate(cfg, EvalRequest(tasks=2), say=lambda _m: None)
+    finally:
+        other.shutdown()
