@@ -94,7 +94,7 @@ class ReverseText(SingleTurnEnv):
     # old no longer match the policy: completions collapse and mismatch KL jumps above 1)
     pretrained_run_defaults = {
         "sft": {"steps": 0},
-        "orchestrator": {"batch_size": 32, "group_size": 8, "temperature": 1.0},
+        "orchestrator": {"batch_size": 64, "group_size": 8, "temperature": 1.0},
         "trainer": {"lr": 1e-5, "warmup_steps": 0},
     }
 
