@@ -87,7 +87,7 @@ def test_a_port_another_server_answers_on_is_refused_not_scored(monkeypatch):
     from primerl.eval_command import EvalRequest, evaluate
 
     class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
+        def do_GET(self):
             body = json.dumps({"status": "ok", "policy_version": 0}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
