@@ -78,11 +78,17 @@ class GQAttention(nn.Module):
         k = batch.keys(k, self.layer_idx, "k")  # [B, T, KV, D]
         v = batch.keys(v, self.layer_idx, "v")
         T = k.shape[1]
-        # each kv head serves H/KV consecutive query heads (HF's repeat_kv)
-        k = k.transpose(1, 2)[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
-        v = v.transpose(1, 2)[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
         mask = None if batch.causal else batch.bias(batch.visible, q.dtype)[:, None]  # [B, 1, S, T] additive
+        # each kv head serves H/KV consecutive query heads (HF's repeat_kv). On the CPU the
+        # kernel shares them itself (enable_gqa: the same outputs, without copying every
+        # row's keys and values H/KV times, which cost more than the attention)
+        if q.device.type == "cpu":
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, T, D] views of the cache
+        else:  # CUDA's memory-efficient kernel (masks) has no GQA: math would run instead
+            k = k.transpose(1, 2)[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
+            v = v.transpose(1, 2)[:, :, None].expand(B, KV, H // KV, T, D).reshape(B, H, T, D)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=batch.causal, scale=self.scaling
+            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=batch.causal, scale=self.scaling,
+            enable_gqa=k.shape[1] != H,
         )  # [B, H, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * D)), carry
