@@ -8,12 +8,13 @@ import attrs
 import pytest
 
 from primerl import hookimpl, registry
-from primerl.advantages import GRPO, RLOO, build_advantage, compute_advantages
+from primerl.algorithms import build_advantage, build_correction, build_loss, compute_advantages
+from primerl.algorithms.advantages import GRPO, RLOO
+from primerl.algorithms.corrections import TIS
+from primerl.algorithms.losses import DefaultLoss
 from primerl.builtin_plugin import ADVANTAGES, CORRECTIONS, LOSSES
 from primerl.errors import PluginError
 from primerl.registry import Registry
-from primerl.trainer.corrections import TIS, build_correction
-from primerl.trainer.loss import DefaultLoss, build_loss
 
 
 def test_builtins_are_registered_by_the_core_plugin():
@@ -71,9 +72,9 @@ def test_a_plugin_registers_a_loss_and_an_advantage(with_plugin):
 
 
 def test_custom_by_module_attr_and_errors():
-    assert compute_advantages([[1.0, 3.0]], build_advantage("primerl.advantages:GRPO")) == [[-1.0, 1.0]]
-    assert isinstance(build_loss("primerl.trainer.loss:DefaultLoss", {"kl_tau": 0.1}), DefaultLoss)
-    assert isinstance(build_correction("primerl.trainer.corrections:TIS"), TIS)
+    assert compute_advantages([[1.0, 3.0]], build_advantage("primerl.algorithms.advantages:GRPO")) == [[-1.0, 1.0]]
+    assert isinstance(build_loss("primerl.algorithms.losses:DefaultLoss", {"kl_tau": 0.1}), DefaultLoss)
+    assert isinstance(build_correction("primerl.algorithms.corrections:TIS"), TIS)
     with pytest.raises(PluginError, match="orchestrator.advantage: no advantage named 'loo'. Available: grpo, grpo_std"):
         build_advantage("loo")
     with pytest.raises(PluginError, match="trainer.correction: no correction named 'tiss'"):
@@ -81,13 +82,13 @@ def test_custom_by_module_attr_and_errors():
     with pytest.raises(PluginError, match="could not be loaded as 'module:attr'.*no_such_module_xyz"):
         build_loss("no_such_module_xyz:f")
     with pytest.raises(PluginError, match="not callable"):
-        build_loss("primerl.trainer.loss:__doc__")
+        build_loss("primerl.algorithms.losses:__doc__")
 
 
 def test_advantages_and_the_algorithm_modules_import_no_torch():
     """The orchestrator computes advantages without torch; the loss and correction modules
     load it lazily (a config check builds them)."""
-    code = ("import sys, primerl.advantages as a, primerl.trainer.loss as l, primerl.trainer.corrections as c; "
-            "a.compute_advantages([[1.0, 0.0]], a.build_advantage('rloo')); l.build_loss('gspo'); "
-            "c.build_correction('tis'); assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, primerl.algorithms as a, primerl.orchestrator.advantages, primerl.orchestrator.filters; "
+            "a.compute_advantages([[1.0, 0.0]], a.build_advantage('rloo')); a.build_loss('gspo'); "
+            "a.build_correction('tis'); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

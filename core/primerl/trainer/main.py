@@ -42,6 +42,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from primerl import watchdog
+from primerl.algorithms import Correction, Loss, build_correction, build_loss
 from primerl.config import RunConfig, to_dict
 from primerl.errors import PluginError, PrimerlError
 from primerl.monitors import MonitorSet, RunInfo, sample_rows
@@ -50,8 +51,6 @@ from primerl.resume import set_aside_checkpoint, trim_metrics, usable_checkpoint
 from primerl.rundir import RunDir, step_name
 from primerl.samples import read_batch
 from primerl.trainer import log
-from primerl.trainer.corrections import Correction, build_correction
-from primerl.trainer.loss import Loss, build_loss
 from primerl.trainer.optim import make_optimizer, make_scheduler
 from primerl.trainer.packing import pack
 from primerl.trainer.publish import (

@@ -22,11 +22,10 @@ from typing import Any
 import attrs
 import torch
 
+from primerl.algorithms import Correction, Loss, LossInputs
 from primerl.config import RunConfig, TrainerConfig
 from primerl.parallel import Parallelism, world_size
 from primerl.sampling import token_logprobs
-from primerl.trainer.corrections import Correction
-from primerl.trainer.loss import Loss, LossInputs
 from primerl.trainer.packing import PackedBatch, join_rows
 
 
