@@ -213,7 +213,8 @@ class DAPOLoss(GRPOClipLoss):
     """``dapo``: the clipped surrogate with clip-higher (a wider upper bound, 0.28) and
     token-level normalisation (every token of the step weighs the same). DAPO's dynamic
     sampling and overlong shaping are the orchestrator's: ``orchestrator.skip_uniform_groups``
-    and ``orchestrator.overlong_buffer``."""
+    (:mod:`primerl.orchestrator.filters`) and ``orchestrator.overlong_buffer``
+    (:mod:`primerl.algorithms.shaping`)."""
 
     clip_low: float = option(0.2, below_one)
     clip_high: float = option(0.28, non_negative)

@@ -85,6 +85,10 @@ class RunFailed(Exception):
 
 
 class Orchestrator:
+    """The orchestrator's state and its loops (see the module docstring): the sources and
+    their draws, the groups in flight, the policy version inference serves, the stages'
+    counters, the evaluations; :meth:`run` runs the loops until the last batch is written."""
+
     def __init__(self, cfg: RunConfig, env: Environment, client: Client):
         self.cfg = cfg
         self.o = cfg.orchestrator
