@@ -20,8 +20,8 @@ trained twice, the same task order. Three pieces make that work:
   beyond s are deleted, the trainer publishes them again) into ``OUT/previous-<time>/``,
   so neither process reads a stale file. With no usable checkpoint the run starts over and
   every earlier file goes there. Nothing recorded is deleted.
-* the data position, kept by the orchestrator (``primerl.orchestrator.main``) next to each
-  batch and copied by the trainer into each checkpoint; see docs/architecture.md,
+* the data position, kept by the orchestrator (``primerl.orchestrator.positions``) next to
+  each batch and copied by the trainer into each checkpoint; see docs/architecture.md,
   "Checkpoint and resume".
 """
 
