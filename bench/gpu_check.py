@@ -120,11 +120,11 @@ def train_section(device: str, tiny: bool, *, strategy_name: str, fp8: bool) -> 
     import attrs
     import torch
 
+    from primerl.algorithms import build_loss
     from primerl.config import RunConfig
     from primerl.parallel import device_mesh
     from primerl.registry import get_registry
     from primerl.samples import Sample
-    from primerl.trainer.loss import build_loss
     from primerl.trainer.main import load_parallelism
     from primerl.trainer.optim import make_optimizer
     from primerl.trainer.packing import pack

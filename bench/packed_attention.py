@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
+    from primerl.algorithms import build_loss
     from primerl.config import ConfigSources, load_config
-    from primerl.trainer.loss import build_loss
     from primerl.trainer.main import build_model, load_parallelism
     from primerl.trainer.optim import make_optimizer
     from primerl.trainer.packing import pack

@@ -4,7 +4,7 @@ imports another plugin's package.
 Roles are the processes of a run: the orchestrator (``primerl.orchestrator``), the trainer
 (``primerl.trainer``) and inference (the inference backend plugins). What two of them share
 lives below them in the core (``primerl.inference``, ``primerl.models``, ``primerl.serving``,
-``primerl.advantages``, ...), never in one of them. Plugins share through the core too: a
+``primerl.algorithms``, ...), never in one of them. Plugins share through the core too: a
 plugin imports ``primerl`` and its own package, nothing of another plugin.
 """
 

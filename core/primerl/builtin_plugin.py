@@ -36,19 +36,19 @@ ADVANTAGES = {
 @hookimpl
 def register_losses(register):
     for name, (cls, what) in LOSSES.items():
-        register(name, f"primerl.trainer.loss:{cls}", description=what)
+        register(name, f"primerl.algorithms.losses:{cls}", description=what)
 
 
 @hookimpl
 def register_corrections(register):
     for name, (cls, what) in CORRECTIONS.items():
-        register(name, f"primerl.trainer.corrections:{cls}", description=what)
+        register(name, f"primerl.algorithms.corrections:{cls}", description=what)
 
 
 @hookimpl
 def register_advantages(register):
     for name, (cls, what) in ADVANTAGES.items():
-        register(name, f"primerl.advantages:{cls}", description=what)
+        register(name, f"primerl.algorithms.advantages:{cls}", description=what)
 
 
 @hookimpl

@@ -1161,10 +1161,8 @@ def _check_algorithms(cfg: RunConfig, sources: Mapping[str, str]) -> None:
     """The loss, the correction and every advantage estimator build with their options (each
     checks its own), and what they need of the run: a sequence-level one needs every token
     of a sample in one forward, which context parallel does not give."""
-    from primerl.advantages import build_advantage
+    from primerl.algorithms import build_advantage, build_correction, build_loss
     from primerl.registry import is_target
-    from primerl.trainer.corrections import build_correction
-    from primerl.trainer.loss import build_loss
 
     t, o = cfg.trainer, cfg.orchestrator
     picks = [("trainer.loss", t.loss, "trainer.loss_options", t.loss_options, build_loss),

@@ -79,7 +79,7 @@ def register_losses(register: Register) -> None:
     """Register RL losses, selected by ``trainer.loss``.
 
     The target, called with ``trainer.loss_options`` as keywords, returns a
-    :class:`primerl.trainer.loss.Loss`.
+    :class:`primerl.algorithms.Loss`.
     """
 
 
@@ -88,7 +88,7 @@ def register_corrections(register: Register) -> None:
     """Register off-policy corrections, selected by ``trainer.correction``.
 
     The target, called with ``trainer.correction_options`` as keywords, returns a
-    :class:`primerl.trainer.corrections.Correction`.
+    :class:`primerl.algorithms.Correction`.
     """
 
 
@@ -97,7 +97,7 @@ def register_advantages(register: Register) -> None:
     """Register advantage estimators, selected by ``orchestrator.advantage``.
 
     The target, called with ``orchestrator.advantage_options`` as keywords, returns a
-    :class:`primerl.advantages.Advantage` (a batch's groups of rewards in, advantages out).
+    :class:`primerl.algorithms.Advantage` (a batch's groups of rewards in, advantages out).
     """
 
 

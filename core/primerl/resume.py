@@ -20,8 +20,8 @@ trained twice, the same task order. Three pieces make that work:
   beyond s are deleted, the trainer publishes them again) into ``OUT/previous-<time>/``,
   so neither process reads a stale file. With no usable checkpoint the run starts over and
   every earlier file goes there. Nothing recorded is deleted.
-* the data position, kept by the orchestrator (``primerl.orchestrator.main``) next to each
-  batch and copied by the trainer into each checkpoint; see docs/architecture.md,
+* the data position, kept by the orchestrator (``primerl.orchestrator.positions``) next to
+  each batch and copied by the trainer into each checkpoint; see docs/architecture.md,
   "Checkpoint and resume".
 """
 
@@ -338,6 +338,106 @@ def _rel(run: RunDir, p: Path) -> str:
     return str(p.relative_to(run.root))
 
 
+@attrs.define
+class _Plan:
+    """What :func:`prepare` is about to do to the run directory (paths under it)."""
+
+    moves: list[Path] = attrs.Factory(list)  # moved into previous-<time>/
+    copies: list[Path] = attrs.Factory(list)  # copied into previous-<time>/
+    deletes: list[Path] = attrs.Factory(list)  # partial writes, and weights the trainer publishes again
+    notes: list[str] = attrs.Factory(list)  # what it does, one line each, for the user
+
+
+def _overwrite(run: RunDir, keep: set[str], dry_run: bool) -> Resume:
+    """``--overwrite``: everything in the run directory (but ``keep``) moved aside."""
+    present = [p for p in sorted(run.root.iterdir()) if not p.name.startswith(PREVIOUS_PREFIX) and p.name not in keep]
+    if not present:
+        return Resume(None, None, ())
+    previous = _previous(run)
+    if not dry_run:
+        for p in present:
+            _move(p, previous / p.name)
+    return Resume(None, previous, (f"--overwrite: starting afresh; the earlier files of {run.root} are in "
+                                   f"{previous}",))
+
+
+def _plan_start_over(run: RunDir, keep: set[str], config: Any, previous: Path) -> _Plan | None:
+    """No usable checkpoint: every earlier file set aside (None: there is none). The recorded
+    config.toml is what is about to run when no new config is given: copied, not moved."""
+    root = run.root
+    logs = [f for f in sorted(run.logs.iterdir()) if _rel(run, f) not in keep] if run.logs.is_dir() else []
+    if not logs and not any(_nonempty(root / name) for name in RUN_FILES if name not in ("config.toml", "logs")):
+        return None
+    whole_logs = run.logs.is_dir() and len(logs) == len(list(run.logs.iterdir()))
+    plan = _Plan(moves=[root / name for name in RUN_FILES if name != "logs" and (root / name).exists()
+                        and not (name == "config.toml" and config is None)] + ([run.logs] if whole_logs else logs))
+    if config is None and run.config.is_file():
+        plan.copies.append(run.config)
+    plan.notes.append(f"{root} holds an earlier attempt with no usable checkpoint: starting over; its files "
+                      f"are kept in {previous}")
+    return plan
+
+
+def _refuse_to_continue(run: RunDir, good: int, max_steps: int, config: Any) -> None:
+    """Raise when the run at checkpoint ``good`` may not continue: another config, or finished."""
+    if config is not None and run.config.is_file():
+        changes = config_changes(run.config, config)
+        if changes:
+            shown = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in changes)
+            raise PrimerlError(
+                f"{run.root} holds an unfinished run (checkpoint at step {good}) with another config: {shown}; run "
+                f"its own config again to resume it (recorded in {run.config}), or add --overwrite to start "
+                f"afresh (its files are then kept in {run.root}/{PREVIOUS_PREFIX}<time>/)")
+    if good >= max_steps:
+        raise RunFinished(run, good, max_steps)
+
+
+def _plan_resume(run: RunDir, good: int, unusable: list[tuple[int, str]], keep: set[str], previous: Path) -> _Plan:
+    """Continue from checkpoint ``good``: what the interrupted attempt left beyond it (rollouts,
+    logs, unusable checkpoints) set aside, partial writes and weights beyond it deleted."""
+    plan = _Plan(moves=[run.checkpoint(n) for n, _ in unusable])
+    if run.rollouts.is_dir():
+        for f in sorted(run.rollouts.iterdir()):
+            n = parse_step(f.name.split(".")[0])
+            if f.name.endswith(".tmp"):
+                plan.deletes.append(f)
+            elif n is not None and n > good:
+                plan.moves.append(f)
+    if run.logs.is_dir():
+        plan.moves += [p for p in sorted(run.logs.iterdir()) if _rel(run, p) not in keep]
+    for parent in (run.weights, run.checkpoints):
+        for d in sorted(parent.iterdir()) if parent.is_dir() else ():
+            n = parse_step(d.name)
+            if d.name.startswith(TMP_PREFIX) or (parent == run.weights and n is not None and n > good):
+                plan.deletes.append(d)
+    beyond = sorted({n for f in plan.moves if f.parent == run.rollouts and (n := parse_step(f.name.split(".")[0]))})
+    if beyond:
+        plan.notes.append(f"steps {beyond[0]}-{beyond[-1]} run again: the interrupted attempt's rollouts, metric "
+                          f"lines and logs are kept in {previous}")
+    republished = sorted(n for d in plan.deletes if d.parent == run.weights and (n := parse_step(d.name)) is not None)
+    if republished:
+        plan.notes.append(f"weights/{step_name(republished[0])}..{step_name(republished[-1])} deleted: the trainer "
+                          f"publishes those versions again")
+    return plan
+
+
+def _carry_out(run: RunDir, plan: _Plan, good: int | None, previous: Path) -> None:
+    for p in plan.moves:
+        _move(p, previous / _rel(run, p))
+    for p in plan.copies:
+        (previous / _rel(run, p)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(p, previous / _rel(run, p))
+    if good is not None:
+        trim_metrics(run, good, previous)
+    for p in plan.deletes:
+        if p.parent == run.weights:
+            _delete_weights(p)
+        elif p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
 def prepare(run: RunDir, max_steps: int, *, config: Any = None, overwrite: bool = False,
             keep: Iterable[str] = (), dry_run: bool = False) -> Resume:
     """Get ``run`` ready for its processes to start (see the module docstring).
@@ -348,90 +448,28 @@ def prepare(run: RunDir, max_steps: int, *, config: Any = None, overwrite: bool 
     (a batch script's own log). ``dry_run``: decide and refuse, but move nothing.
     Raises :class:`PrimerlError` (one line) for a finished run or a config that differs.
     """
-    root = run.root
     keep = {str(Path(k)) for k in keep}
-    if not root.is_dir():
+    if not run.root.is_dir():
         return Resume(None, None, ())
     if overwrite:
-        present = [p for p in sorted(root.iterdir()) if not p.name.startswith(PREVIOUS_PREFIX) and p.name not in keep]
-        if not present:
-            return Resume(None, None, ())
-        previous = _previous(run)
-        if not dry_run:
-            for p in present:
-                _move(p, previous / p.name)
-        return Resume(None, previous, (f"--overwrite: starting afresh; the earlier files of {root} are in "
-                                       f"{previous}",))
+        return _overwrite(run, keep, dry_run)
     good, unusable = survey(run)
     notes = [f"checkpoints/{step_name(n)} is unusable ({problem}): falling back to the one before"
              for n, problem in unusable]
     previous = _previous(run)
-    moves: list[Path] = []  # relative to the run directory, moved into previous/
-    copies: list[Path] = []  # copied into previous/
-    deletes: list[Path] = []  # partial writes, and weights the trainer publishes again
     if good is None:
-        logs = [f for f in sorted(run.logs.iterdir()) if _rel(run, f) not in keep] if run.logs.is_dir() else []
-        if not logs and not any(_nonempty(root / name) for name in RUN_FILES if name not in ("config.toml", "logs")):
+        plan = _plan_start_over(run, keep, config, previous)
+        if plan is None:
             return Resume(None, None, tuple(notes))
-        # the recorded config.toml is what is about to run when no new config is given: copied, not moved
-        whole_logs = run.logs.is_dir() and len(logs) == len(list(run.logs.iterdir()))
-        moves = [root / name for name in RUN_FILES if name != "logs" and (root / name).exists()
-                 and not (name == "config.toml" and config is None)] + ([run.logs] if whole_logs else logs)
-        if config is None and run.config.is_file():
-            copies.append(run.config)
-        notes.append(f"{root} holds an earlier attempt with no usable checkpoint: starting over; its files "
-                     f"are kept in {previous}")
+        notes += plan.notes
     else:
-        if config is not None and run.config.is_file():
-            changes = config_changes(run.config, config)
-            if changes:
-                shown = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in changes)
-                raise PrimerlError(
-                    f"{root} holds an unfinished run (checkpoint at step {good}) with another config: {shown}; run "
-                    f"its own config again to resume it (recorded in {run.config}), or add --overwrite to start "
-                    f"afresh (its files are then kept in {root}/{PREVIOUS_PREFIX}<time>/)")
-        if good >= max_steps:
-            raise RunFinished(run, good, max_steps)
-        notes.insert(0, f"resuming {root} from checkpoints/{step_name(good)} (step {good} of {max_steps})")
-        moves += [run.checkpoint(n) for n, _ in unusable]
-        if run.rollouts.is_dir():
-            for f in sorted(run.rollouts.iterdir()):
-                n = parse_step(f.name.split(".")[0])
-                if f.name.endswith(".tmp"):
-                    deletes.append(f)
-                elif n is not None and n > good:
-                    moves.append(f)
-        if run.logs.is_dir():
-            moves += [p for p in sorted(run.logs.iterdir()) if _rel(run, p) not in keep]
-        for parent in (run.weights, run.checkpoints):
-            for d in sorted(parent.iterdir()) if parent.is_dir() else ():
-                n = parse_step(d.name)
-                if d.name.startswith(TMP_PREFIX) or (parent == run.weights and n is not None and n > good):
-                    deletes.append(d)
-        beyond = sorted({n for f in moves if f.parent == run.rollouts and (n := parse_step(f.name.split(".")[0]))})
-        if beyond:
-            notes.append(f"steps {beyond[0]}-{beyond[-1]} run again: the interrupted attempt's rollouts, metric "
-                         f"lines and logs are kept in {previous}")
-        republished = sorted(n for d in deletes if d.parent == run.weights and (n := parse_step(d.name)) is not None)
-        if republished:
-            notes.append(f"weights/{step_name(republished[0])}..{step_name(republished[-1])} deleted: the trainer "
-                         f"publishes those versions again")
+        _refuse_to_continue(run, good, max_steps, config)
+        plan = _plan_resume(run, good, unusable, keep, previous)
+        notes = [f"resuming {run.root} from checkpoints/{step_name(good)} (step {good} of {max_steps})", *notes,
+                 *plan.notes]
     if dry_run:
         return Resume(good, None, tuple(notes))
-    for p in moves:
-        _move(p, previous / _rel(run, p))
-    for p in copies:
-        (previous / _rel(run, p)).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(p, previous / _rel(run, p))
-    if good is not None:
-        trim_metrics(run, good, previous)
-    for p in deletes:
-        if p.parent == run.weights:
-            _delete_weights(p)
-        elif p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
+    _carry_out(run, plan, good, previous)
     return Resume(good, previous if previous.exists() else None, tuple(notes))
 
 

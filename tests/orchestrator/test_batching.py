@@ -6,7 +6,8 @@ import pytest
 
 from primerl.config import ConfigSources, load_config
 from primerl.envs import Task
-from primerl.orchestrator.main import Group, Orchestrator
+from primerl.orchestrator.groups import Group
+from primerl.orchestrator.main import Orchestrator
 from primerl.rundir import RunDir
 from primerl.samples import Sample, read_batch
 

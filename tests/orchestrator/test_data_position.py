@@ -8,7 +8,9 @@ import json
 from primerl.config import ConfigSources, load_config
 from primerl.envs import Task
 from primerl.orchestrator import main as orchestrator
-from primerl.orchestrator.main import DataPosition, Group, Orchestrator, SourcePosition
+from primerl.orchestrator.groups import Group
+from primerl.orchestrator.main import Orchestrator
+from primerl.orchestrator.positions import DataPosition, SourcePosition
 from primerl.rundir import ORCHESTRATOR_STATE, RunDir
 from primerl.samples import Sample, read_batch
 

@@ -59,7 +59,7 @@ def checkpoint_then_resume(model_name: str, parallel: dict, directory: str, save
         model, optimizer, _ = strategy.parallelize(model, mesh, lambda m: make_optimizer(m, 1e-2, 0.0))
         scheduler = make_scheduler(optimizer, cfg)
         if save:
-            from primerl.trainer.loss import build_loss
+            from primerl.algorithms import build_loss
             from primerl.trainer.packing import pack
             from primerl.trainer.step import rl_step
 

@@ -10,9 +10,7 @@ import attrs
 import pytest
 import torch
 
-from primerl.advantages import build_advantage, compute_advantages
-from primerl.trainer.corrections import build_correction
-from primerl.trainer.loss import LossInputs, build_loss
+from primerl.algorithms import LossInputs, build_advantage, build_correction, build_loss, compute_advantages
 
 # three samples: (advantage, [(p_trainer, p_engine, trains), ...]); the first tokens of each
 # are prompt (trains False: the engine logprob is 0 there, as the packer leaves it)

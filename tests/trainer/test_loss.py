@@ -8,12 +8,13 @@ import attrs
 import pytest
 
 from primerl import hookimpl, registry
-from primerl.advantages import GRPO, RLOO, build_advantage, compute_advantages
+from primerl.algorithms import build_advantage, build_correction, build_loss, compute_advantages
+from primerl.algorithms.advantages import GRPO, RLOO
+from primerl.algorithms.corrections import TIS
+from primerl.algorithms.losses import DefaultLoss
 from primerl.builtin_plugin import ADVANTAGES, CORRECTIONS, LOSSES
 from primerl.errors import PluginError
 from primerl.registry import Registry
-from primerl.trainer.corrections import TIS, build_correction
-from primerl.trainer.loss import DefaultLoss, build_loss
 
 
 def test_builtins_are_registered_by_the_core_plugin():
@@ -71,9 +72,9 @@ def test_a_plugin_registers_a_loss_and_an_advantage(with_plugin):
 
 
 def test_custom_by_module_attr_and_errors():
-    assert compute_advantages([[1.0, 3.0]], build_advantage("primerl.advantages:GRPO")) == [[-1.0, 1.0]]
-    assert isinstance(build_loss("primerl.trainer.loss:DefaultLoss", {"kl_tau": 0.1}), DefaultLoss)
-    assert isinstance(build_correction("primerl.trainer.corrections:TIS"), TIS)
+    assert compute_advantages([[1.0, 3.0]], build_advantage("primerl.algorithms.advantages:GRPO")) == [[-1.0, 1.0]]
+    assert isinstance(build_loss("primerl.algorithms.losses:DefaultLoss", {"kl_tau": 0.1}), DefaultLoss)
+    assert isinstance(build_correction("primerl.algorithms.corrections:TIS"), TIS)
     with pytest.raises(PluginError, match="orchestrator.advantage: no advantage named 'loo'. Available: grpo, grpo_std"):
         build_advantage("loo")
     with pytest.raises(PluginError, match="trainer.correction: no correction named 'tiss'"):
@@ -81,13 +82,64 @@ def test_custom_by_module_attr_and_errors():
     with pytest.raises(PluginError, match="could not be loaded as 'module:attr'.*no_such_module_xyz"):
         build_loss("no_such_module_xyz:f")
     with pytest.raises(PluginError, match="not callable"):
-        build_loss("primerl.trainer.loss:__doc__")
+        build_loss("primerl.algorithms.losses:__doc__")
 
 
 def test_advantages_and_the_algorithm_modules_import_no_torch():
     """The orchestrator computes advantages without torch; the loss and correction modules
     load it lazily (a config check builds them)."""
-    code = ("import sys, primerl.advantages as a, primerl.trainer.loss as l, primerl.trainer.corrections as c; "
-            "a.compute_advantages([[1.0, 0.0]], a.build_advantage('rloo')); l.build_loss('gspo'); "
-            "c.build_correction('tis'); assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, primerl.algorithms as a, primerl.orchestrator.advantages, primerl.orchestrator.filters; "
+            "a.compute_advantages([[1.0, 0.0]], a.build_advantage('rloo')); a.build_loss('gspo'); "
+            "a.build_correction('tis'); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+ALGORITHM_MODULES = ("advantages", "corrections", "losses", "options", "shaping")
+
+
+def test_the_algorithm_modules_declare_what_they_export_and_the_package_exports_the_contracts():
+    """primerl.algorithms is where a plugin finds the algorithm kinds: each module's __all__
+    lists every public name it defines (and only names it has); the package exports the
+    Protocols, the loss's record and the builders."""
+    import importlib
+
+    import primerl.algorithms as algorithms
+
+    for name in ALGORITHM_MODULES:
+        module = importlib.import_module(f"primerl.algorithms.{name}")
+        assert [n for n in module.__all__ if not hasattr(module, n)] == [], name
+        defined = {n for n, v in vars(module).items()
+                   if not n.startswith("_") and getattr(v, "__module__", None) == module.__name__}
+        assert defined - set(module.__all__) == set(), name
+    assert [n for n in algorithms.__all__ if not hasattr(algorithms, n)] == []
+    assert {"Loss", "LossInputs", "reduce", "Correction", "Advantage", "OverlongShaping", "build_loss",
+            "build_correction", "build_advantage"} <= set(algorithms.__all__)
+
+
+def test_docs_name_every_export_of_the_algorithms_package_and_every_member_of_its_contracts():
+    """docs/plugins.md's algorithm sections name what a loss, correction or advantage plugin
+    codes against: the package's exports, and each member of the Protocols and of LossInputs."""
+    import re
+
+    from conftest import REPO
+
+    import primerl.algorithms as algorithms
+    from primerl.algorithms import Advantage, Correction, Loss, LossInputs
+
+    text = (REPO / "docs" / "plugins.md").read_text()
+    sections = {hook: text.split(f"### `{hook}(register)`", 1)[1].split("\n### ", 1)[0]
+                for hook in ("register_losses", "register_corrections", "register_advantages")}
+    everything = "".join(sections.values())
+    assert [n for n in algorithms.__all__ if not re.search(rf"`{n}\b", everything)] == []
+
+    def members(cls):
+        return {n for n in [*vars(cls), *getattr(cls, "__annotations__", {})] if not n.startswith("_")}
+
+    missing = {}
+    for hook, classes in (("register_losses", [Loss, LossInputs]), ("register_corrections", [Correction]),
+                          ("register_advantages", [Advantage])):
+        for cls in classes:
+            names = sorted(m for m in members(cls) if not re.search(rf"\b{m}\b", sections[hook]))
+            if names:
+                missing[f"{hook}: {cls.__name__}"] = names
+    assert missing == {}

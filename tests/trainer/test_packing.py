@@ -139,8 +139,8 @@ def test_rl_step_reports_routing_agreement_and_mismatch(tiny):
     measures its own routers' agreement (not the forced ids)."""
     import copy
 
+    from primerl.algorithms import build_loss
     from primerl.config import RunConfig
-    from primerl.trainer.loss import build_loss
     from primerl.trainer.step import rl_step
 
     adapter, model = tiny

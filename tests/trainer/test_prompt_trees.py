@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
+from primerl.algorithms import build_loss
 from primerl.config import RunConfig
 from primerl.models import ModelConfig
 from primerl.samples import Sample
-from primerl.trainer.loss import build_loss
 from primerl.trainer.main import load_parallelism, share_prompts
 from primerl.trainer.packing import pack
 from primerl.trainer.step import rl_step, row_forward

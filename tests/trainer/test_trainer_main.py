@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from primerl.advantages import GRPO
+from primerl.algorithms.advantages import GRPO
 from primerl.config import ConfigSources, load_config
 from primerl.envs.multiturn import prompt_ids
 from primerl.rundir import STABLE, TRAINER_STATE, RunDir

@@ -1,10 +1,10 @@
 """The trainer: packs rollout batches, computes the RL loss, steps the optimizer, publishes weights.
 
 * :mod:`primerl.trainer.packing` - samples into segment-isolated rows (no padding waste);
-* :mod:`primerl.trainer.loss` - losses by registered name (light import);
 * :mod:`primerl.trainer.optim` - AdamW and the learning-rate schedule;
-* :mod:`primerl.trainer.step` - one RL optimizer step over packed rows (routing metrics,
-  MoE router balancing);
+* :mod:`primerl.trainer.step` - one RL optimizer step over packed rows: the loss and the
+  off-policy correction (:mod:`primerl.algorithms`) per forward, routing metrics, MoE router
+  balancing;
 * :mod:`primerl.trainer.sft` - the optional supervised warm-up before RL;
 * :mod:`primerl.trainer.publish` - weights for inference, checkpoints, resuming;
 * :mod:`primerl.trainer.metrics` - ``metrics.jsonl``;

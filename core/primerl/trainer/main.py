@@ -11,13 +11,14 @@ What it does, in order (files per docs/architecture.md, paths from ``RunDir``):
    fails to load is set aside and the trainer stops: the same command then resumes from
    the one before (the orchestrator has already started from this one).
 2. Otherwise: optional SFT warm-up on the env's reference answers (``[sft]``), then
-   publish v0 as ``weights/step_000000`` so the orchestrator can start.
-3. For n = start+1 .. max_steps: wait for ``rollouts/step_n.pt``, read it
+   publish v0 as ``weights/step_000000`` so the orchestrator can start (:func:`begin`).
+3. For n = start+1 .. max_steps (:func:`train`): wait for ``rollouts/step_n.pt``, read it
    (``primerl.samples.read_batch``), pack it, one optimizer step, publish
-   ``weights/step_n`` + ``STABLE``, prune old weights, hand the step's metrics to the
-   monitors (``metrics.jsonl`` first, then W&B, TensorBoard... as ``[monitors]`` says;
-   :mod:`primerl.monitors`), checkpoint every ``trainer.checkpoint_every`` steps and at the end
-   (keeping the newest ``trainer.keep_checkpoints``).
+   ``weights/step_n`` + ``STABLE`` (:class:`Publisher`), prune old weights, hand the step's
+   metrics (:func:`step_record`) to the monitors (``metrics.jsonl`` first, then W&B,
+   TensorBoard... as ``[monitors]`` says; :mod:`primerl.monitors`), checkpoint every
+   ``trainer.checkpoint_every`` steps and at the end (:func:`checkpoint`, keeping the newest
+   ``trainer.keep_checkpoints``).
 
 With several ranks every rank reads every batch and packs it the same way; the strategy
 says which rows and tokens each trains; global rank 0 alone writes weights, metrics and
@@ -42,18 +43,17 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from primerl import watchdog
+from primerl.algorithms import Correction, Loss, build_correction, build_loss
 from primerl.config import RunConfig, to_dict
 from primerl.errors import PluginError, PrimerlError
 from primerl.monitors import MonitorSet, RunInfo, sample_rows
 from primerl.parallel import Parallelism, barrier, device_mesh, init_trainer_group, is_publisher, world_size
 from primerl.resume import set_aside_checkpoint, trim_metrics, usable_checkpoint
 from primerl.rundir import RunDir, step_name
-from primerl.samples import read_batch
+from primerl.samples import RolloutBatch, read_batch
 from primerl.trainer import log
-from primerl.trainer.corrections import Correction, build_correction
-from primerl.trainer.loss import Loss, build_loss
 from primerl.trainer.optim import make_optimizer, make_scheduler
-from primerl.trainer.packing import pack
+from primerl.trainer.packing import PackedBatch, pack
 from primerl.trainer.publish import (
     describe,
     load_resume_state,
@@ -206,24 +206,27 @@ def share_prompts(cfg: RunConfig, model: torch.nn.Module) -> bool:
     return True
 
 
-def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Loss,
-          parallelism: Parallelism, *, correction: Correction | None = None, adapter: Any, tokenizer: Any,
-          resume: tuple[int, Path] | None, monitors: MonitorSet) -> None:
-    """Resume or start (SFT, v0), then one RL step per batch until ``max_steps``."""
-    join = adapter.capabilities(cfg.model).varlen_rows  # each forward's rows as one, without padding
-    t = cfg.trainer
-    scheduler = make_scheduler(optimizer, cfg)
+class Publisher:
+    """Publishes policy v(n) for inference as ``weights/step_n`` over ``trainer.weight_channel``.
+    The nccl channel's sender is made once v0 is on disk and the servers have started from
+    it (until then weights go through the filesystem); a full disk is one line and the way
+    back."""
 
-    sender = None  # the nccl channel's, made once v0 is on disk and the servers have started from it
+    def __init__(self, cfg: RunConfig, run: RunDir, model: torch.nn.Module, *, adapter: Any, tokenizer: Any,
+                 parallelism: Parallelism) -> None:
+        self.cfg, self.run, self.model = cfg, run, model
+        self.adapter, self.tokenizer, self.parallelism = adapter, tokenizer, parallelism
+        self.sender: Any = None  # the nccl channel's (primerl.inference.WeightSender)
 
-    def publish(n: int) -> None:
-        nonlocal sender
-        if t.weight_channel == "nccl" and sender is None and run.published(0) and is_publisher():
-            sender = weight_sender(cfg)
+    def __call__(self, n: int) -> None:
+        channel, run = self.cfg.trainer.weight_channel, self.run
+        if channel == "nccl" and self.sender is None and run.published(0) and is_publisher():
+            self.sender = weight_sender(self.cfg)
         try:
-            publish_weights(run, n, model, adapter=adapter, tokenizer=tokenizer, parallelism=parallelism,
-                            channel="filesystem" if t.weight_channel == "nccl" and sender is None else t.weight_channel,
-                            sender=sender)
+            publish_weights(run, n, self.model, adapter=self.adapter, tokenizer=self.tokenizer,
+                            parallelism=self.parallelism,
+                            channel="filesystem" if channel == "nccl" and self.sender is None else channel,
+                            sender=self.sender)
         except OSError as exc:  # a full disk: one line, and the way back
             last = run.checkpoint_steps()
             raise PrimerlError(
@@ -231,26 +234,23 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
                 + (f" ({exc.filename})" if exc.filename else "") + "; the same command resumes from "
                 + (f"checkpoints/{step_name(last[-1])}" if last else "the start")) from exc
 
+    def close(self) -> None:
+        """After the last step: the shm channel's file released, the nccl sender closed."""
+        if self.cfg.trainer.weight_channel == "shm" and is_publisher():
+            release_shm(self.run)
+        if self.sender is not None:
+            self.sender.close()
+
+
+def begin(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+          parallelism: Parallelism, publish: Publisher, *, resume: tuple[int, Path] | None, tokenizer: Any,
+          join: bool) -> int:
+    """The step training continues after. From a checkpoint: its optimizer, scheduler and RNG
+    state, ``metrics.jsonl`` trimmed to it, its weights published again if they are gone.
+    Otherwise: an earlier attempt's metrics set aside, the SFT warm-up, v0 published."""
     if is_publisher():
         run.remove_partial_writes()  # left by a trainer that died mid-write
-    start = 0
-    if resume is not None:
-        try:
-            start = load_resume_state(resume[1], model, optimizer, scheduler, parallelism=parallelism)
-        except PrimerlError:
-            raise
-        except (Exception, CheckpointException) as exc:  # whatever a damaged file raises (DCP's: a BaseException)
-            raise unloadable(run, resume[0], exc) from exc
-        log(f"resumed from {resume[1]} (step {start})")
-        if is_publisher() and (kept := trim_metrics(run, start)) is not None:
-            log(f"metrics.jsonl: lines after step {start} dropped (they are trained again); the whole file is "
-                f"kept as {kept}")
-        republish = not run.published(start)
-        barrier()  # every rank has looked before rank 0 may publish: they must agree
-        if republish:
-            publish(start)
-            log(f"republished weights/{step_name(start)}")
-    else:
+    if resume is None:
         if is_publisher() and (kept := trim_metrics(run, 0)) is not None:
             log(f"no checkpoint to resume from: an earlier attempt's metrics.jsonl is kept as {kept}")
         if cfg.sft.steps > 0:
@@ -259,7 +259,113 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
             seed_everything(cfg.seed)  # RL draws the same randomness with or without SFT
         publish(0)
         log(f"published weights/{step_name(0)} (v0{' after SFT' if cfg.sft.steps else ''})")
+        return 0
+    try:
+        start = load_resume_state(resume[1], model, optimizer, scheduler, parallelism=parallelism)
+    except PrimerlError:
+        raise
+    except (Exception, CheckpointException) as exc:  # whatever a damaged file raises (DCP's: a BaseException)
+        raise unloadable(run, resume[0], exc) from exc
+    log(f"resumed from {resume[1]} (step {start})")
+    if is_publisher() and (kept := trim_metrics(run, start)) is not None:
+        log(f"metrics.jsonl: lines after step {start} dropped (they are trained again); the whole file is "
+            f"kept as {kept}")
+    republish = not run.published(start)
+    barrier()  # every rank has looked before rank 0 may publish: they must agree
+    if republish:
+        publish(start)
+        log(f"republished weights/{step_name(start)}")
+    return start
 
+
+@attrs.frozen
+class StepTimes:
+    """When a step's phases began and ended (``time.perf_counter``)."""
+
+    waiting: float  # it began waiting for its batch
+    started: float  # the batch was there: the trainer's own time starts
+    publishing: float  # the optimizer step was done: publishing began
+    ended: float  # the weights were published
+    previous_end: float | None  # the previous step's end (None: the first step of this process)
+    checkpoint_s: float  # the previous step's checkpoint write, part of this step's wall time
+
+    @property
+    def wall(self) -> float:
+        """From the previous step's end (or this one's wait) to this one's end."""
+        return self.ended - (self.previous_end if self.previous_end is not None else self.waiting)
+
+    @property
+    def train(self) -> float:
+        return self.ended - self.started
+
+
+def step_record(n: int, batch: RolloutBatch, packed: PackedBatch, stats: dict[str, float], lr: float,
+                times: StepTimes) -> dict[str, Any]:
+    """Step ``n``'s line of ``metrics.jsonl``: the orchestrator's batch figures, then the trainer's."""
+    sampled = sum(s.sampled_tokens for s in batch.samples)
+    return {
+        **batch.metrics,
+        "step": n,
+        "policy_version": n,
+        **stats,
+        "lr": lr,
+        "time/step": times.wall,  # wall time of this step: from the previous step's end (or this one's wait) to its end
+        # the tokens the policy sampled for this step's batch per second of that wall time
+        "throughput/sampled_tokens_per_s": sampled / max(times.wall, 1e-9),
+        "time/train": times.train,  # the trainer's own compute, batch in hand to weights published
+        "time/wait": times.started - times.waiting,
+        "time/publish": times.ended - times.publishing,  # of time/train: the weights written for inference
+        "time/checkpoint": times.checkpoint_s,  # of time/step: the previous step's resumable checkpoint written
+        "time/end": time.time(),
+        "trainer/tokens_per_s": packed.num_tokens / max(times.train, 1e-9),
+        "trainer/tokens": packed.num_tokens,
+        # positions the shared prompts saved (the samples' own positions minus those run)
+        "trainer/shared_tokens": sum(max(len(s.tokens) - 1, 0) for s in batch.samples) - packed.num_tokens,
+        "trainer/loss_tokens": packed.num_loss_tokens,
+        "trainer/rows": packed.num_rows,
+    }
+
+
+def step_line(n: int, max_steps: int, batch: RolloutBatch, packed: PackedBatch, stats: dict[str, float], lr: float,
+              times: StepTimes) -> str:
+    """Step ``n``'s log line."""
+    return (f"step {n}/{max_steps} samples {len(batch.samples)} rows {packed.num_rows} "
+            f"tokens {packed.num_tokens} loss {stats['loss']:.4f} mismatch_kl {stats['mismatch_kl']:.2e} "
+            f"masked {stats['masked_fraction']:.3f} "
+            + (f"clipped {stats['clipped_fraction']:.3f} " if "clipped_fraction" in stats else "")
+            + f"grad_norm {stats['grad_norm']:.3f} lr {lr:.2e} "
+            f"step {times.train:.2f}s wait {times.started - times.waiting:.2f}s"
+            + (f" routing_agreement {stats['routing_agreement']:.3f}" if "routing_agreement" in stats else ""))
+
+
+def checkpoint(cfg: RunConfig, run: RunDir, n: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               scheduler: Any, *, adapter: Any, tokenizer: Any, parallelism: Parallelism) -> float:
+    """``checkpoints/step_n`` when one is due (every ``trainer.checkpoint_every`` steps and at
+    the end), the oldest beyond ``trainer.keep_checkpoints`` deleted; the seconds it took."""
+    t = cfg.trainer
+    if not ((t.checkpoint_every and n % t.checkpoint_every == 0) or n == cfg.max_steps):
+        return 0.0
+    t_checkpoint = time.perf_counter()
+    save_checkpoint(run, n, model, optimizer, scheduler, adapter=adapter, tokenizer=tokenizer, parallelism=parallelism)
+    pruned = prune_checkpoints(run, n, t.keep_checkpoints) if is_publisher() else []
+    seconds = time.perf_counter() - t_checkpoint
+    log(f"saved checkpoints/{step_name(n)}"
+        + (f"; deleted {', '.join(step_name(m) for m in pruned)} (keep_checkpoints {t.keep_checkpoints})"
+           if pruned else ""))
+    return seconds
+
+
+def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Loss,
+          parallelism: Parallelism, *, correction: Correction | None = None, adapter: Any, tokenizer: Any,
+          resume: tuple[int, Path] | None, monitors: MonitorSet) -> None:
+    """Resume or start (SFT, v0), then one RL step per batch until ``max_steps``: wait for
+    it, pack it, step, publish, log its metrics, checkpoint when due."""
+    join = adapter.capabilities(cfg.model).varlen_rows  # each forward's rows as one, without padding
+    t = cfg.trainer
+    scheduler = make_scheduler(optimizer, cfg)
+    publish = Publisher(cfg, run, model, adapter=adapter, tokenizer=tokenizer, parallelism=parallelism)
+    start = begin(cfg, run, model, optimizer, scheduler, parallelism, publish, resume=resume, tokenizer=tokenizer,
+                  join=join)
     monitors.start(RunInfo(output_dir=run.root, name=run.root.resolve().name, config=to_dict(cfg), start_step=start,
                            max_steps=cfg.max_steps, log=log))
     keep = cfg.orchestrator.max_off_policy_steps + 2
@@ -284,60 +390,17 @@ def train(cfg: RunConfig, run: RunDir, model: torch.nn.Module, optimizer: torch.
         t_publish = time.perf_counter()
         with watchdog.waiting("publish", f"publishing weights v{n}"):
             publish(n)
-        t_end = time.perf_counter()
+        times = StepTimes(waiting=t_wait, started=t_start, publishing=t_publish, ended=time.perf_counter(),
+                          previous_end=last_end, checkpoint_s=checkpoint_s)
         if is_publisher():
             prune_weights(run, n, keep)
-
-        step_s = t_end - t_start
-        wall_s = t_end - (last_end if last_end is not None else t_wait)  # since the previous step ended
-        sampled = sum(s.sampled_tokens for s in batch.samples)
-        record = {
-            **batch.metrics,
-            "step": n,
-            "policy_version": n,
-            **stats,
-            "lr": lr,
-            "time/step": wall_s,  # wall time of this step: from the previous step's end (or this one's wait) to its end
-            # the tokens the policy sampled for this step's batch per second of that wall time
-            "throughput/sampled_tokens_per_s": sampled / max(wall_s, 1e-9),
-            "time/train": step_s,  # the trainer's own compute, batch in hand to weights published
-            "time/wait": t_start - t_wait,
-            "time/publish": t_end - t_publish,  # of time/train: the weights written for inference
-            "time/checkpoint": checkpoint_s,  # of time/step: the previous step's resumable checkpoint written
-            "time/end": time.time(),
-            "trainer/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
-            "trainer/tokens": packed.num_tokens,
-            # positions the shared prompts saved (the samples' own positions minus those run)
-            "trainer/shared_tokens": sum(max(len(s.tokens) - 1, 0) for s in batch.samples) - packed.num_tokens,
-            "trainer/loss_tokens": packed.num_loss_tokens,
-            "trainer/rows": packed.num_rows,
-        }
-        monitors.log(n, record)  # metrics.jsonl first (the file monitor), then the others
+        monitors.log(n, step_record(n, batch, packed, stats, lr, times))  # metrics.jsonl first, then the others
         if monitors.wants_samples(n):
             monitors.log_samples(n, sample_rows(n, batch.samples, tokenizer))
         watchdog.advance()
-        last_end = t_end
-        log(f"step {n}/{cfg.max_steps} samples {len(batch.samples)} rows {packed.num_rows} "
-            f"tokens {packed.num_tokens} loss {stats['loss']:.4f} mismatch_kl {stats['mismatch_kl']:.2e} "
-            f"masked {stats['masked_fraction']:.3f} "
-            + (f"clipped {stats['clipped_fraction']:.3f} " if "clipped_fraction" in stats else "")
-            + f"grad_norm {stats['grad_norm']:.3f} lr {lr:.2e} "
-            f"step {step_s:.2f}s wait {t_start - t_wait:.2f}s"
-            + (f" routing_agreement {stats['routing_agreement']:.3f}" if "routing_agreement" in stats else ""))
-
-        checkpoint_s = 0.0
-        if (t.checkpoint_every and n % t.checkpoint_every == 0) or n == cfg.max_steps:
-            t_checkpoint = time.perf_counter()
-            save_checkpoint(run, n, model, optimizer, scheduler, adapter=adapter, tokenizer=tokenizer,
-                            parallelism=parallelism)
-            pruned = prune_checkpoints(run, n, t.keep_checkpoints) if is_publisher() else []
-            checkpoint_s = time.perf_counter() - t_checkpoint
-            log(f"saved checkpoints/{step_name(n)}"
-                + (f"; deleted {', '.join(step_name(m) for m in pruned)} (keep_checkpoints {t.keep_checkpoints})"
-                   if pruned else ""))
-
-    if t.weight_channel == "shm" and is_publisher():
-        release_shm(run)
-    if sender is not None:
-        sender.close()
+        last_end = times.ended
+        log(step_line(n, cfg.max_steps, batch, packed, stats, lr, times))
+        checkpoint_s = checkpoint(cfg, run, n, model, optimizer, scheduler, adapter=adapter, tokenizer=tokenizer,
+                                  parallelism=parallelism)
+    publish.close()
     log(f"done: {cfg.max_steps} steps")

@@ -212,16 +212,20 @@ def _prompt_trees(toks: list[list[int]], masks: list[list[int]], sizes: list[int
     return units
 
 
-def pack(samples: Sequence[Sample], seq_len: int, *, share_prompts: bool = False) -> PackedBatch:
-    """Pack samples (:class:`primerl.samples.Sample`) into rows.
+@dataclass
+class _Kept:
+    """The samples that pack (2 tokens or more), as lists, each checked against ``seq_len``."""
 
-    Read: ``tokens``, ``loss_mask``, ``logprobs`` (None: 0), ``advantage``,
-    ``temperature`` and ``routed_experts`` (used only if every sample has them). Samples
-    of fewer than 2 tokens have nothing to predict and are skipped. ``share_prompts``:
-    samples with the same prompt share its positions (prompt trees, see the module's
-    docstring).
-    """
-    toks, masks, lps, sizes, keep = [], [], [], [], []
+    index: list[int]  # each kept sample's index in the input
+    tokens: list[list[int]]
+    masks: list[list[int]]
+    logprobs: list[list[float]]
+    sizes: list[int]  # positions: len(tokens) - 1
+    routed: list[Any] | None  # each one's routed experts, when every kept sample has them
+
+
+def _keep(samples: Sequence[Sample], seq_len: int) -> _Kept:
+    kept = _Kept([], [], [], [], [], None)
     for idx, s in enumerate(samples):
         t = _as_list(s.tokens)
         m = _as_list(s.loss_mask)
@@ -239,86 +243,112 @@ def pack(samples: Sequence[Sample], seq_len: int, *, share_prompts: bool = False
                 f"{seq_len}: raise --trainer.seq_len to at least {len(t) - 1}, or shorten rollouts "
                 f"(--orchestrator.max_tokens, shorter prompts)"
             )
-        toks.append(t)
-        masks.append(m)
-        lps.append(lp)
-        sizes.append(len(t) - 1)
-        keep.append(idx)
+        kept.index.append(idx)
+        kept.tokens.append(t)
+        kept.masks.append(m)
+        kept.logprobs.append(lp)
+        kept.sizes.append(len(t) - 1)
+    routed = [samples[i].routed_experts for i in kept.index]
+    kept.routed = routed if routed and all(r is not None for r in routed) else None
+    return kept
 
-    routed = [samples[i].routed_experts for i in keep]
-    routed_all = routed if routed and all(r is not None for r in routed) else None
-    units = (_prompt_trees(toks, masks, sizes, routed_all, seq_len) if share_prompts
-             else [_Tree([j], 0, n) for j, n in enumerate(sizes)])
-    bins = first_fit_decreasing([u.size for u in units], seq_len)
-    R = max(len(bins), 1)
-    W = max((sum(units[i].size for i in b) for b in bins), default=1)
-    input_ids = torch.zeros(R, W, dtype=torch.long)
-    positions = torch.zeros(R, W, dtype=torch.long)
-    segment_ids = torch.full((R, W), -1, dtype=torch.long)
-    prefix_ids = torch.full((R, W), -1, dtype=torch.long)
-    lengths = torch.zeros(R, dtype=torch.long)
-    targets = torch.zeros(R, W, dtype=torch.long)
-    loss_mask = torch.zeros(R, W, dtype=torch.bool)
-    inference_logprobs = torch.zeros(R, W, dtype=torch.float32)
-    advantages = torch.zeros(R, W, dtype=torch.float32)
-    temperatures = torch.ones(R, W, dtype=torch.float32)
-    sample_index = torch.full((R, W), -1, dtype=torch.long)
 
-    replay = None
-    if routed_all is not None:
-        shape = tuple(torch.as_tensor(routed_all[0]).shape[1:])  # (n_moe_layers, top_k)
-        replay = torch.zeros(R, W, *shape, dtype=torch.int16)
+class _Rows:
+    """The packed tensors of ``R`` rows of width ``W``, filled one sample's positions at a time."""
 
-    def place(r: int, off: int, j: int, start: int, end: int, seg: int, prefix: int) -> int:
+    def __init__(self, R: int, W: int, kept: _Kept, samples: Sequence[Sample]) -> None:
+        self.kept, self.samples = kept, samples
+        self.input_ids = torch.zeros(R, W, dtype=torch.long)
+        self.positions = torch.zeros(R, W, dtype=torch.long)
+        self.segment_ids = torch.full((R, W), -1, dtype=torch.long)
+        self.prefix_ids = torch.full((R, W), -1, dtype=torch.long)
+        self.lengths = torch.zeros(R, dtype=torch.long)
+        self.targets = torch.zeros(R, W, dtype=torch.long)
+        self.loss_mask = torch.zeros(R, W, dtype=torch.bool)
+        self.inference_logprobs = torch.zeros(R, W, dtype=torch.float32)
+        self.advantages = torch.zeros(R, W, dtype=torch.float32)
+        self.temperatures = torch.ones(R, W, dtype=torch.float32)
+        self.sample_index = torch.full((R, W), -1, dtype=torch.long)
+        self.replay = None
+        if kept.routed is not None:
+            shape = tuple(torch.as_tensor(kept.routed[0]).shape[1:])  # (n_moe_layers, top_k)
+            self.replay = torch.zeros(R, W, *shape, dtype=torch.int16)
+
+    def place(self, r: int, off: int, j: int, start: int, end: int, seg: int, prefix: int) -> int:
         """Positions ``start:end`` of kept sample ``j`` at row ``r`` from ``off``, in segment
-        ``seg`` that also sees segment ``prefix``: one slice assignment per field."""
-        n, t, src = end - start, torch.tensor(toks[j][start : end + 1], dtype=torch.long), samples[keep[j]]
+        ``seg`` that also sees segment ``prefix``: one slice assignment per field. Returns
+        the row's next free position."""
+        k = self.kept
+        n, t, src = end - start, torch.tensor(k.tokens[j][start : end + 1], dtype=torch.long), self.samples[k.index[j]]
         sl = slice(off, off + n)
-        input_ids[r, sl] = t[:-1]
-        targets[r, sl] = t[1:]
-        positions[r, sl] = torch.arange(start, end)
-        segment_ids[r, sl] = seg
-        prefix_ids[r, sl] = prefix
-        loss_mask[r, sl] = torch.tensor(masks[j][start + 1 : end + 1], dtype=torch.bool)
-        inference_logprobs[r, sl] = torch.tensor(lps[j][start + 1 : end + 1], dtype=torch.float32)
-        advantages[r, sl] = float(src.advantage)
-        temperatures[r, sl] = float(src.temperature)
-        sample_index[r, sl] = keep[j]
-        if replay is not None:
-            re = torch.as_tensor(routed_all[j])
-            if re.shape[0] not in (sizes[j], sizes[j] + 1) or tuple(re.shape[1:]) != tuple(replay.shape[2:]):
+        self.input_ids[r, sl] = t[:-1]
+        self.targets[r, sl] = t[1:]
+        self.positions[r, sl] = torch.arange(start, end)
+        self.segment_ids[r, sl] = seg
+        self.prefix_ids[r, sl] = prefix
+        self.loss_mask[r, sl] = torch.tensor(k.masks[j][start + 1 : end + 1], dtype=torch.bool)
+        self.inference_logprobs[r, sl] = torch.tensor(k.logprobs[j][start + 1 : end + 1], dtype=torch.float32)
+        self.advantages[r, sl] = float(src.advantage)
+        self.temperatures[r, sl] = float(src.temperature)
+        self.sample_index[r, sl] = k.index[j]
+        if self.replay is not None:
+            re = torch.as_tensor(k.routed[j])
+            size = k.sizes[j]
+            if re.shape[0] not in (size, size + 1) or tuple(re.shape[1:]) != tuple(self.replay.shape[2:]):
                 raise ValueError(
-                    f"sample {keep[j]}: routed_experts has shape {tuple(re.shape)}, expected "
-                    f"[{sizes[j] + 1} or {sizes[j]}, {', '.join(map(str, replay.shape[2:]))}]"
+                    f"sample {k.index[j]}: routed_experts has shape {tuple(re.shape)}, expected "
+                    f"[{size + 1} or {size}, {', '.join(map(str, self.replay.shape[2:]))}]"
                 )
-            replay[r, sl] = re[start:end].to(torch.int16)
+            self.replay[r, sl] = re[start:end].to(torch.int16)
         return off + n
 
-    for r, b in enumerate(bins):
+    def fill_row(self, r: int, units: Sequence[_Tree]) -> None:
+        """Row ``r``: its units end to end, each sample (or tree branch) a segment of its own."""
         off, seg = 0, 0
-        for u in (units[i] for i in b):
+        for u in units:
             if u.prompt:  # the prompt once (as its first sample's), then each sample's own positions
                 root = seg
-                off = place(r, off, u.samples[0], 0, u.prompt, root, root)
+                off = self.place(r, off, u.samples[0], 0, u.prompt, root, root)
                 for j in u.samples:
                     seg += 1
-                    off = place(r, off, j, u.prompt, sizes[j], seg, root)
+                    off = self.place(r, off, j, u.prompt, self.kept.sizes[j], seg, root)
             else:
-                off = place(r, off, u.samples[0], 0, sizes[u.samples[0]], seg, seg)
+                off = self.place(r, off, u.samples[0], 0, self.kept.sizes[u.samples[0]], seg, seg)
             seg += 1
-        lengths[r] = off
+        self.lengths[r] = off
 
-    return PackedBatch(
-        input_ids=input_ids,
-        positions=positions,
-        segment_ids=segment_ids,
-        lengths=lengths,
-        targets=targets,
-        loss_mask=loss_mask,
-        inference_logprobs=inference_logprobs,
-        advantages=advantages,
-        temperatures=temperatures,
-        sample_index=sample_index,
-        replay_experts=replay,
-        prefix_ids=prefix_ids if any(u.prompt for u in units) else None,
-    )
+    def batch(self, shared: bool) -> PackedBatch:
+        """The packed batch; ``shared``: some prompt is shared (``prefix_ids`` kept)."""
+        return PackedBatch(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            segment_ids=self.segment_ids,
+            lengths=self.lengths,
+            targets=self.targets,
+            loss_mask=self.loss_mask,
+            inference_logprobs=self.inference_logprobs,
+            advantages=self.advantages,
+            temperatures=self.temperatures,
+            sample_index=self.sample_index,
+            replay_experts=self.replay,
+            prefix_ids=self.prefix_ids if shared else None,
+        )
+
+
+def pack(samples: Sequence[Sample], seq_len: int, *, share_prompts: bool = False) -> PackedBatch:
+    """Pack samples (:class:`primerl.samples.Sample`) into rows.
+
+    Read: ``tokens``, ``loss_mask``, ``logprobs`` (None: 0), ``advantage``,
+    ``temperature`` and ``routed_experts`` (used only if every sample has them). Samples
+    of fewer than 2 tokens have nothing to predict and are skipped. ``share_prompts``:
+    samples with the same prompt share its positions (prompt trees, see the module's
+    docstring).
+    """
+    kept = _keep(samples, seq_len)
+    units = (_prompt_trees(kept.tokens, kept.masks, kept.sizes, kept.routed, seq_len) if share_prompts
+             else [_Tree([j], 0, n) for j, n in enumerate(kept.sizes)])
+    bins = first_fit_decreasing([u.size for u in units], seq_len)
+    rows = _Rows(max(len(bins), 1), max((sum(units[i].size for i in b) for b in bins), default=1), kept, samples)
+    for r, b in enumerate(bins):
+        rows.fill_row(r, [units[i] for i in b])
+    return rows.batch(shared=any(u.prompt for u in units))

@@ -2,10 +2,13 @@
 
 What: :func:`rl_step` runs the forward over the packed rows a few at a time
 (``trainer.micro_batch_rows`` per forward), calls the loss per forward with the step's
-loss-token count as normalizer, accumulates gradients, clips and steps once. Along the
-way it measures how often the trainer's routers pick the experts inference used
-(:func:`routing_agreement`, per MoE layer) and feeds the routers' loads to the
-aux-loss-free balancer (:class:`RouterBalancer`).
+totals as normalizers (:class:`StepTotals`), accumulates gradients, clips and steps once.
+Per forward, :func:`loss_inputs` makes the loss's record (:class:`primerl.algorithms.LossInputs`)
+and :func:`forward_loss` weighs its tokens by the off-policy correction, if any, then calls
+the loss (:mod:`primerl.algorithms`). :class:`StepMetrics` gathers the figures over forwards
+and ranks, among them how often the trainer's routers pick the experts inference used
+(:func:`routing_agreement`, per MoE layer); the routers' loads feed the aux-loss-free
+balancer (:class:`RouterBalancer`).
 
 Why several rows per forward: on CPU most of the time is per-op overhead, so fewer,
 larger ops win; packing keeps the rows apart (segment ids), so this changes no result.
@@ -22,11 +25,10 @@ from typing import Any
 import attrs
 import torch
 
+from primerl.algorithms import Correction, Loss, LossInputs
 from primerl.config import RunConfig, TrainerConfig
 from primerl.parallel import Parallelism, world_size
 from primerl.sampling import token_logprobs
-from primerl.trainer.corrections import Correction
-from primerl.trainer.loss import Loss, LossInputs
 from primerl.trainer.packing import PackedBatch, join_rows
 
 
@@ -118,6 +120,104 @@ def micro_batches(packed: PackedBatch, parallelism: Parallelism, rows_per_forwar
         yield rows if device is None or device.type == "cpu" else {k: v if v is None else v.to(device) for k, v in rows.items()}
 
 
+@attrs.frozen
+class StepTotals:
+    """What the loss normalises by, over the whole optimizer step (the batch is whole on
+    every rank, so every rank computes the same)."""
+
+    loss_tokens: float  # the step's loss tokens (at least 1): the token normaliser
+    per_sample: torch.Tensor  # [S] float32, each sample's loss tokens (the per-sequence normaliser)
+    samples: float  # samples with at least one loss token
+
+    @classmethod
+    def of(cls, packed: PackedBatch) -> StepTotals:
+        loss_index = packed.sample_index[packed.loss_mask]
+        per_sample = torch.bincount(loss_index, minlength=int(packed.sample_index.max()) + 1).float()  # [S]
+        return cls(loss_tokens=float(max(packed.num_loss_tokens, 1)), per_sample=per_sample,
+                   samples=float((per_sample > 0).sum()))
+
+
+def loss_inputs(row: dict[str, torch.Tensor | None], logprobs: torch.Tensor, mask: torch.Tensor, real: torch.Tensor,
+                totals: StepTotals, *, max_tokens: int, corrected: bool) -> LossInputs:
+    """One forward's :class:`LossInputs`: its real tokens (``real`` [k, m]) flattened to [N];
+    ``logprobs`` [k, m] the trainer's, ``mask`` [k, m] its loss tokens. ``corrected``: a
+    correction will weigh the tokens, so the ratio's reference is the trainer's own logprobs
+    (detached), not the engine's."""
+    own, engine = logprobs[real], row["inference_logprobs"][real]  # [N]
+    sample_ids = row["sample_index"][real]  # [N]
+    return LossInputs(
+        logprobs=own, inference_logprobs=engine, old_logprobs=own.detach() if corrected else engine,
+        advantages=row["advantages"][real], loss_mask=mask[real], weights=torch.ones_like(engine),
+        sample_ids=sample_ids, sample_loss_tokens=totals.per_sample.to(sample_ids.device)[sample_ids],
+        step_loss_tokens=totals.loss_tokens, step_samples=totals.samples, max_tokens=max_tokens,
+    )
+
+
+def forward_loss(x: LossInputs, loss_fn: Loss, correction: Correction | None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The loss of one forward, its tokens weighed by ``correction`` first when there is
+    one, and the forward's metrics as token sums: the correction's, ``mismatch_kl`` (k3 = r -
+    log r - 1, the KL between engine and trainer on the sampled tokens), the loss's."""
+    metrics: dict[str, Any] = {}
+    if correction is not None:
+        weights, metrics = correction.weights(x)
+        x = attrs.evolve(x, weights=weights.detach())
+    loss, loss_metrics = loss_fn(x)
+    with torch.no_grad():
+        lr = torch.where(x.loss_mask, x.logprobs.detach() - x.inference_logprobs, torch.zeros_like(x.logprobs))
+        metrics["mismatch_kl"] = (lr.exp() - lr - 1).sum()
+    return loss, {**metrics, **loss_metrics}
+
+
+class StepMetrics:
+    """The step's figures, gathered over its forwards and then over ranks: the loss, the
+    loss's and correction's metrics (token sums, or maxima for keys ending in ``/max``) and
+    how often the trainer's routers agree with inference's (per MoE layer)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {"loss": 0.0}  # token sums of the metrics, and the loss
+        self.maxima: dict[str, float] = {}  # the metrics ending in /max
+        self.agreed: torch.Tensor | None = None  # [L] tokens routed as inference did, per MoE layer
+        self.routed_tokens = 0  # tokens the agreement was counted over
+
+    def add(self, loss: torch.Tensor, metrics: dict[str, Any]) -> None:
+        self.sums["loss"] += float(loss.detach())
+        for key, value in metrics.items():
+            if key.endswith("/max"):
+                self.maxima[key] = max(self.maxima.get(key, float("-inf")), float(value))
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + float(value)
+
+    def add_routing(self, own: torch.Tensor, inference: torch.Tensor, real: torch.Tensor) -> None:
+        """own, inference: [k, m, L, top_k] experts; real: [k, m] bool."""
+        agree = routing_agreement(own, inference, real)
+        self.agreed = agree if self.agreed is None else self.agreed + agree
+        self.routed_tokens += int(real.sum())
+
+    def totals(self, parallelism: Parallelism, loss_tokens: float, grad_norm: float) -> dict[str, float]:
+        """The step's stats for metrics.jsonl, added up over ranks: the sums (one collective,
+        the routing counts with them) divided by the step's loss tokens, the maxima, the loss
+        and the gradient norm, the routing agreement (its mean and each layer's)."""
+        keys = sorted(self.sums)
+        agreed = [] if self.agreed is None else self.agreed.tolist()
+        vector = parallelism.sum_over_ranks(
+            torch.tensor([self.sums[k] for k in keys] + [float(self.routed_tokens)] + agreed, dtype=torch.float64))
+        totals = dict(zip(keys, vector[: len(keys)].tolist(), strict=True))
+        stats = {k: v / loss_tokens for k, v in totals.items() if k != "loss"}
+        if self.maxima:
+            keys_max = sorted(self.maxima)
+            stats.update(zip(keys_max, parallelism.max_over_ranks(
+                torch.tensor([self.maxima[k] for k in keys_max], dtype=torch.float64)).tolist(), strict=True))
+        stats.setdefault("mismatch_kl", 0.0)
+        stats.setdefault("masked_fraction", 0.0)
+        stats.update(loss=totals["loss"], grad_norm=grad_norm)
+        routed = float(vector[len(keys)])
+        if agreed and routed:
+            per_layer = (vector[len(keys) + 1 :] / routed).tolist()
+            stats["routing_agreement"] = sum(per_layer) / len(per_layer)
+            stats.update({f"routing_agreement/layer_{i}": v for i, v in enumerate(per_layer)})
+        return stats
+
+
 def rl_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -135,17 +235,10 @@ def rl_step(
     weights when there is one; ``join``: each forward's rows as one row without
     padding (the model's ``varlen_rows``). Returns the step's stats for metrics.jsonl."""
     t = cfg.trainer
-    normalizer = float(max(packed.num_loss_tokens, 1))  # the whole batch's, on every rank
-    # every sample's loss tokens in the whole step (the batch is whole on every rank), for
-    # the losses that normalise per sequence
-    loss_index = packed.sample_index[packed.loss_mask]
-    per_sample = torch.bincount(loss_index, minlength=int(packed.sample_index.max()) + 1).float()  # [S]
-    step_samples = float((per_sample > 0).sum())
+    totals = StepTotals.of(packed)
     replay = t.router_replay and packed.replay_experts is not None
     optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {"loss": 0.0}  # token sums of the loss's metrics, and the loss
-    maxima: dict[str, float] = {}  # the metrics ending in /max
-    agreed, routed_tokens = None, 0  # per-layer token counts of trainer/inference routing agreement
+    step_metrics = StepMetrics()
     balancer = RouterBalancer(model, t.router_bias_update_rate, parallelism)
     alone = world_size() == 1  # with other ranks, every forward runs: they wait for its collectives
     for row in micro_batches(packed, parallelism, t.micro_batch_rows, torch.device(t.resolved_device()),
@@ -158,54 +251,13 @@ def rl_step(
         lp, out = row_forward(model, row, replay, compute_precision(t), only=mask if t.parallel.cp == 1 else None)
         balancer.observe(out.router_experts, real)
         if t.routing_metrics and row["replay_experts"] is not None and out.router_experts.shape[2]:
-            agree = routing_agreement(out.router_experts, row["replay_experts"], real)
-            agreed = agree if agreed is None else agreed + agree
-            routed_tokens += int(real.sum())
-        logprobs, inference_logprobs, loss_mask = lp[real], row["inference_logprobs"][real], mask[real]  # [N]
-        sample_ids = row["sample_index"][real]  # [N]
-        x = LossInputs(
-            logprobs=logprobs, inference_logprobs=inference_logprobs,
-            old_logprobs=inference_logprobs if correction is None else logprobs.detach(),
-            advantages=row["advantages"][real], loss_mask=loss_mask, weights=torch.ones_like(inference_logprobs),
-            sample_ids=sample_ids, sample_loss_tokens=per_sample.to(sample_ids.device)[sample_ids],
-            step_loss_tokens=normalizer, step_samples=step_samples, max_tokens=cfg.orchestrator.max_tokens,
-        )
-        metrics: dict[str, Any] = {}
-        if correction is not None:
-            weights, metrics = correction.weights(x)
-            x = attrs.evolve(x, weights=weights.detach())
-        loss, loss_metrics = loss_fn(x)
+            step_metrics.add_routing(out.router_experts, row["replay_experts"], real)
+        x = loss_inputs(row, lp, mask, real, totals, max_tokens=cfg.orchestrator.max_tokens,
+                        corrected=correction is not None)
+        loss, metrics = forward_loss(x, loss_fn, correction)
         loss.backward()
-        sums["loss"] += float(loss.detach())
-        with torch.no_grad():  # k3 = r - log r - 1: the KL between engine and trainer on the sampled tokens
-            log_ratio = torch.where(loss_mask, logprobs.detach() - inference_logprobs, torch.zeros_like(logprobs))
-            metrics["mismatch_kl"] = (log_ratio.exp() - log_ratio - 1).sum()
-        for key, value in {**metrics, **loss_metrics}.items():
-            if key.endswith("/max"):
-                maxima[key] = max(maxima.get(key, float("-inf")), float(value))
-            else:
-                sums[key] = sums.get(key, 0.0) + float(value)
+        step_metrics.add(loss, metrics)
     grad_norm = parallelism.clip_grad_norm_(model, t.max_grad_norm)
     optimizer.step()
     balancer.step()
-    # add up over ranks: the loss's metrics, then the routing counts (one vector, one collective)
-    keys = sorted(sums)
-    layers = 0 if agreed is None else agreed.numel()
-    vector = torch.tensor([sums[k] for k in keys] + [float(routed_tokens)] + ([] if agreed is None else agreed.tolist()),
-                          dtype=torch.float64)
-    vector = parallelism.sum_over_ranks(vector)
-    totals = dict(zip(keys, vector[: len(keys)].tolist(), strict=True))
-    stats = {k: v / normalizer for k, v in totals.items() if k != "loss"}
-    if maxima:
-        keys_max = sorted(maxima)
-        stats.update(zip(keys_max, parallelism.max_over_ranks(
-            torch.tensor([maxima[k] for k in keys_max], dtype=torch.float64)).tolist(), strict=True))
-    stats.setdefault("mismatch_kl", 0.0)
-    stats.setdefault("masked_fraction", 0.0)
-    stats.update(loss=totals["loss"], grad_norm=grad_norm)
-    routed = float(vector[len(keys)])
-    if layers and routed:
-        per_layer = (vector[len(keys) + 1 :] / routed).tolist()
-        stats["routing_agreement"] = sum(per_layer) / len(per_layer)
-        stats.update({f"routing_agreement/layer_{i}": v for i, v in enumerate(per_layer)})
-    return stats
+    return step_metrics.totals(parallelism, totals.loss_tokens, grad_norm)

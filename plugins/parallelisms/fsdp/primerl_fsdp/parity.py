@@ -49,11 +49,11 @@ def step_on_layout(model_name: str, parallel: dict[str, int], replay: bool = Fal
     other ranks: the same without ``grads``."""
     import attrs
 
+    from primerl.algorithms import build_loss
     from primerl.config import ParallelConfig, RunConfig
     from primerl.models import ModelConfig
     from primerl.parallel import device_mesh, world_size
     from primerl.registry import get_registry
-    from primerl.trainer.loss import build_loss
     from primerl.trainer.main import load_parallelism
     from primerl.trainer.packing import pack
     from primerl.trainer.step import rl_step

@@ -5,15 +5,17 @@ core's own plugin, :mod:`primerl.builtin_plugin`, registers every loss below) or
 importable factory as ``"module:attr"``; ``[trainer.loss_options]`` are its options. The
 registered target is the loss's class: called with the options as keywords it returns the
 loss (:class:`Loss`), so each loss types and checks its own options (an attrs class with
-validators) and the config check finds a bad one before a run starts.
+validators, :mod:`primerl.algorithms.options`) and the config check finds a bad one before a
+run starts.
 
 Why one record in (:class:`LossInputs`): the field's objectives differ in three places only,
 the per-token term (clipped, soft-gated, masked, REINFORCE-weighted), whether the ratio is a
 token's or its sequence's, and how the sum is normalised (per token of the step, per
 sequence, by a constant). Everything any of them needs is in the record, so a new loss is a
-page of formula, never a change to the trainer.
+page of formula, never a change to the trainer (:func:`primerl.trainer.step.rl_step` builds
+the record for every forward and calls the loss).
 
-Composition with an off-policy correction (``trainer.correction``, :mod:`primerl.trainer.corrections`):
+Composition with an off-policy correction (``trainer.correction``, :mod:`primerl.algorithms.corrections`):
 without one, a loss's ratio is against the sampling policy, the engine's logprobs (one
 optimizer step per batch, so the engine's policy is the only "old" policy there is). With
 one, the ratio is against the trainer's own logprobs, detached (``old_logprobs``: 1 in value,
@@ -24,6 +26,8 @@ IcePop that verl, TRL and slime use. Every loss multiplies its per-token term by
 Metrics (the second return value) are token sums; the trainer adds them over forwards and
 ranks and divides by the step's loss tokens. A key ending in ``/max`` is a maximum instead.
 ``mismatch_kl`` is the trainer's own, whatever the loss.
+
+Importing this module imports no torch (the orchestrator and the config check import it).
 """
 
 from __future__ import annotations
@@ -32,10 +36,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import attrs
 
+from primerl.algorithms.options import below_one, non_negative, normalization, option, optional_float, positive
 from primerl.registry import resolve_component
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
+
+__all__ = [
+    "MAX_LOG_RATIO", "CISPOLoss", "DAPOLoss", "DefaultLoss", "DrGRPOLoss", "GRPOClipLoss", "GSPOLoss", "IPOLoss", "Loss",
+    "LossInputs", "Normalize", "SAPOLoss", "build_loss", "reduce",
+]
 
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-this before exp: a far-off token cannot overflow to inf
 
@@ -111,31 +121,6 @@ class Loss(Protocol):
         ...
 
 
-# ---- option validators ---------------------------------------------------------------------------
-
-def _non_negative(_inst: Any, attr: attrs.Attribute, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{attr.name} must be >= 0, got {value}")
-
-
-def _positive(_inst: Any, attr: attrs.Attribute, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attr.name} must be > 0, got {value}")
-
-
-def _below_one(_inst: Any, attr: attrs.Attribute, value: float) -> None:
-    if not 0 <= value < 1:
-        raise ValueError(f"{attr.name} must be in [0, 1) (the ratio's lower bound is 1 - {attr.name}), got {value}")
-
-
-_NORMALIZE = attrs.validators.in_(("token", "sequence", "constant"))
-_float = attrs.converters.optional(float)
-
-
-def _opt(default: float, *validators: Any) -> Any:
-    return attrs.field(default=default, converter=float, validator=list(validators))
-
-
 # ---- the losses ------------------------------------------------------------------------------------
 
 @attrs.frozen(kw_only=True)
@@ -149,10 +134,10 @@ class DefaultLoss:
     and divided by their number.
     """
 
-    dppo_mask_low: float = _opt(0.2, _positive)
-    dppo_mask_high: float = _opt(0.2, _positive)
-    adv_tau: float = _opt(1.0, _non_negative)
-    kl_tau: float = _opt(0.0, _non_negative)
+    dppo_mask_low: float = option(0.2, positive)
+    dppo_mask_high: float = option(0.2, positive)
+    adv_tau: float = option(1.0, non_negative)
+    kl_tau: float = option(0.0, non_negative)
     sequence_level = False
 
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Any]]:
@@ -176,9 +161,9 @@ class IPOLoss:
     Per token: -w * keep * adv_tau * A * r + kl_tau * (log r)^2, token-normalised.
     """
 
-    eps: float = _opt(0.1, _positive)
-    adv_tau: float = _opt(1.0, _non_negative)
-    kl_tau: float = _opt(1e-3, _non_negative)
+    eps: float = option(0.1, positive)
+    adv_tau: float = option(1.0, non_negative)
+    kl_tau: float = option(1e-3, non_negative)
     sequence_level = False
 
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Any]]:
@@ -213,9 +198,9 @@ class GRPOClipLoss:
     ``token``, or ``constant``).
     """
 
-    clip_low: float = _opt(0.2, _below_one)
-    clip_high: float = _opt(0.2, _non_negative)
-    normalize: Normalize = attrs.field(default="sequence", validator=_NORMALIZE)
+    clip_low: float = option(0.2, below_one)
+    clip_high: float = option(0.2, non_negative)
+    normalize: Normalize = attrs.field(default="sequence", validator=normalization)
     sequence_level = False
 
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Any]]:
@@ -228,11 +213,12 @@ class DAPOLoss(GRPOClipLoss):
     """``dapo``: the clipped surrogate with clip-higher (a wider upper bound, 0.28) and
     token-level normalisation (every token of the step weighs the same). DAPO's dynamic
     sampling and overlong shaping are the orchestrator's: ``orchestrator.skip_uniform_groups``
-    and ``orchestrator.overlong_buffer``."""
+    (:mod:`primerl.orchestrator.filters`) and ``orchestrator.overlong_buffer``
+    (:mod:`primerl.algorithms.shaping`)."""
 
-    clip_low: float = _opt(0.2, _below_one)
-    clip_high: float = _opt(0.28, _non_negative)
-    normalize: Normalize = attrs.field(default="token", validator=_NORMALIZE)
+    clip_low: float = option(0.2, below_one)
+    clip_high: float = option(0.28, non_negative)
+    normalize: Normalize = attrs.field(default="token", validator=normalization)
 
 
 @attrs.frozen(kw_only=True)
@@ -241,7 +227,7 @@ class DrGRPOLoss(GRPOClipLoss):
     ``orchestrator.max_tokens``, so neither a sequence's length nor the batch's token count
     biases the update (pair it with the ``grpo`` advantage, which does not divide by the std)."""
 
-    normalize: Normalize = attrs.field(default="constant", validator=_NORMALIZE)
+    normalize: Normalize = attrs.field(default="constant", validator=normalization)
 
 
 @attrs.frozen(kw_only=True)
@@ -254,8 +240,8 @@ class GSPOLoss:
     token's.
     """
 
-    clip_low: float = _opt(3e-4, _below_one)
-    clip_high: float = _opt(4e-4, _non_negative)
+    clip_low: float = option(3e-4, below_one)
+    clip_high: float = option(4e-4, non_negative)
     sequence_level = True
 
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Any]]:
@@ -282,8 +268,8 @@ class CISPOLoss:
     bounded, the log-probability still trains. ``clip_low`` unset: no lower bound (MiniMax-M1).
     """
 
-    clip_low: float | None = attrs.field(default=None, converter=_float)
-    clip_high: float = _opt(4.0, _non_negative)
+    clip_low: float | None = attrs.field(default=None, converter=optional_float)
+    clip_high: float = option(4.0, non_negative)
     sequence_level = False
 
     def __attrs_post_init__(self) -> None:
@@ -312,8 +298,8 @@ class SAPOLoss:
     smoothly as r leaves 1 (faster for negative advantages, tau_neg > tau_pos).
     """
 
-    tau_pos: float = _opt(1.0, _positive)
-    tau_neg: float = _opt(1.05, _positive)
+    tau_pos: float = option(1.0, positive)
+    tau_neg: float = option(1.05, positive)
     sequence_level = False
 
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Any]]:

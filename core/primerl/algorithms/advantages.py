@@ -4,9 +4,11 @@
 hook (the core's own plugin registers the ones below) or any ``"module:attr"`` factory;
 ``[orchestrator.advantage_options]`` are its options (a source's own ``advantage`` and
 ``advantage_options`` override them). The registered target is a class: called with the
-options as keywords it returns the estimator (:class:`Advantage`). The orchestrator runs it
-when it writes a batch, once per source over that source's groups (a group: the episodes of
-one task), so a batch-level baseline (REINFORCE++) sees the whole batch. Pure Python: no torch.
+options as keywords it returns the estimator (:class:`Advantage`). The orchestrator's
+advantage stage (:mod:`primerl.orchestrator.advantages`) runs it when it writes a batch,
+once per source over that source's groups (a group: the episodes of one task, their rewards
+shaped by :mod:`primerl.algorithms.shaping`), so a batch-level baseline (REINFORCE++) sees
+the whole batch. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, Protocol
 import attrs
 
 from primerl.registry import resolve_component
+
+__all__ = ["EPS", "GRPO", "RLOO", "Advantage", "GRPOStd", "ReinforcePP", "build_advantage", "compute_advantages"]
 
 EPS = 1e-6
 

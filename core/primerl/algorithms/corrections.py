@@ -5,7 +5,7 @@ the ``register_corrections`` hook, or a ``"module:attr"`` factory); ``[trainer.c
 are its options; "" (the default) is none. A correction turns the mismatch ratio
 rho = pi_trainer / pi_engine of each loss token into a detached weight; every loss
 multiplies its per-token term by it, and its own ratio is then taken against the trainer's
-detached logprobs (see :mod:`primerl.trainer.loss`): the decoupled form that verl's
+detached logprobs (see :mod:`primerl.algorithms.losses`): the decoupled form that verl's
 ``rollout_correction``, TRL's ``vllm_importance_sampling_mode`` and slime's ``--use-tis``
 implement.
 
@@ -22,11 +22,14 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import attrs
 
+from primerl.algorithms.losses import MAX_LOG_RATIO, LossInputs
+from primerl.algorithms.options import non_negative, positive
 from primerl.registry import resolve_component
-from primerl.trainer.loss import LossInputs, _non_negative, _positive
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
+
+__all__ = ["MIS", "TIS", "Correction", "IcePop", "Level", "build_correction", "mismatch_log_ratio"]
 
 Level = Literal["token", "sequence"]
 
@@ -45,8 +48,6 @@ def mismatch_log_ratio(x: LossInputs, level: str) -> Tensor:
     """[N] log rho on loss tokens: the token's own (``token``), the sum over its sequence
     (``sequence``: log of the product), or the mean over it (``geometric``)."""
     import torch
-
-    from primerl.trainer.loss import MAX_LOG_RATIO
 
     lr = torch.where(x.loss_mask, x.logprobs.detach() - x.inference_logprobs, torch.zeros_like(x.inference_logprobs))
     if level == "sequence":
@@ -85,7 +86,7 @@ class TIS(_Leveled):
     """``tis``: truncated importance sampling, w = min(rho, cap); rho of the token, or of
     the whole sequence (the product of its tokens' ratios) at ``level = "sequence"``."""
 
-    cap: float = attrs.field(default=2.0, converter=float, validator=_positive)
+    cap: float = attrs.field(default=2.0, converter=float, validator=positive)
     level: Level = attrs.field(default="token", validator=_LEVEL)
 
     def weights(self, x: LossInputs) -> tuple[Tensor, dict[str, Any]]:
@@ -105,8 +106,8 @@ class MIS(_Leveled):
     (geometric masking: rejection without reweighting, set a narrow band such as
     floor 0.99, cap 1.01)."""
 
-    cap: float = attrs.field(default=2.0, converter=float, validator=_positive)
-    floor: float = attrs.field(default=0.0, converter=float, validator=_non_negative)
+    cap: float = attrs.field(default=2.0, converter=float, validator=positive)
+    floor: float = attrs.field(default=0.0, converter=float, validator=non_negative)
     level: Literal["token", "sequence", "geometric"] = attrs.field(
         default="token", validator=attrs.validators.in_(("token", "sequence", "geometric")))
 
@@ -131,8 +132,8 @@ class IcePop:
     that band the token is dropped (double-sided masking of the training/inference
     mismatch, which MoE routing makes large)."""
 
-    low: float = attrs.field(default=0.5, converter=float, validator=_positive)
-    high: float = attrs.field(default=5.0, converter=float, validator=_positive)
+    low: float = attrs.field(default=0.5, converter=float, validator=positive)
+    high: float = attrs.field(default=5.0, converter=float, validator=positive)
     sequence_level = False
 
     def __attrs_post_init__(self) -> None:
