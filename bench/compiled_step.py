@@ -61,9 +61,9 @@ def timed(fn, calls: int) -> float:
 def make_traceable() -> None:
     """The bench-only patches of the module docstring, for this process."""
     import primerl.models.batch as batch_mod
-    import primerl.models.layers as layers
+    import primerl.models.experts as experts
 
-    layers.DENSE_GROUPED_MAX_TOKENS = layers.DENSE_EXPERTS_MAX_TOKENS = 1 << 30  # dense experts
+    experts.DENSE_GROUPED_MAX_TOKENS = experts.DENSE_EXPERTS_MAX_TOKENS = 1 << 30  # dense experts
 
     class NoShard:  # make_batch's context-parallel ContextVar: nothing sharded here
         def get(self):

@@ -322,11 +322,11 @@ def main() -> None:
                 setattr(args, key, value)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    from primerl.models import layers
+    from primerl.models import experts
 
     # Every expert on every token (one matmul) instead of a loop over experts: at these
     # widths it is many times faster on a CPU, and engine and trainer both use it.
-    layers.DENSE_EXPERTS_MAX_RATIO = max(layers.DENSE_EXPERTS_MAX_RATIO, args.experts // args.top_k)
+    experts.DENSE_EXPERTS_MAX_RATIO = max(experts.DENSE_EXPERTS_MAX_RATIO, args.experts // args.top_k)
     routing = (f"top-{args.top_k} of {args.experts} experts, {args.moe_layers} MoE layers" if args.experts
                else "tiny presets")
     print(f"[router_replay] {routing}, {args.sft_steps} SFT steps, {args.prompts} prompts x {args.n} completions, "

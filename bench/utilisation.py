@@ -68,7 +68,7 @@ def weight_shapes(preset: str) -> list[tuple[int, int, int]]:
     """(rows, in, out) of each GEMM a token's forward runs, at GEMM_ROWS tokens: every 2-D
     weight but the embedding and the indexer, each expert at its share of the rows."""
     from primerl.models import ModelConfig
-    from primerl.models.layers import Experts
+    from primerl.models.experts import Experts
     from primerl.registry import get_registry
 
     model = get_registry().load("model", "glm5")().build(ModelConfig(name="glm5", preset=preset, seed=0))

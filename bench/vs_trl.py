@@ -224,7 +224,7 @@ def matmul_gflops(repeat: int = 5) -> float:
 def active_params(preset: str = "tiny") -> int:
     """Parameters a token's forward multiplies by (see the module docstring)."""
     from primerl.models import ModelConfig
-    from primerl.models.layers import Experts
+    from primerl.models.experts import Experts
     from primerl.registry import get_registry
 
     model = get_registry().load("model", "glm5")().build(ModelConfig(name="glm5", preset=preset, seed=0))

@@ -5,7 +5,10 @@ Roles are the processes of a run: the orchestrator (``primerl.orchestrator``), t
 (``primerl.trainer``) and inference (the inference backend plugins). What two of them share
 lives below them in the core (``primerl.inference``, ``primerl.models``, ``primerl.serving``,
 ``primerl.algorithms``, ...), never in one of them. Plugins share through the core too: a
-plugin imports ``primerl`` and its own package, nothing of another plugin.
+plugin imports ``primerl`` and its own package, nothing of another plugin; the one
+exception is a library distribution under ``plugins/`` (one without entry points: the
+model building blocks, ``primerl_blocks``), which the plugins that build on it import and
+the core never does.
 """
 
 import ast
@@ -28,8 +31,15 @@ def imports(path: Path) -> list[tuple[int, str]]:
 
 
 def plugin_packages() -> dict[str, Path]:
-    """Every built-in plugin's top-level package: name -> folder."""
+    """Every built-in plugin's (and library's) top-level package: name -> folder."""
     return {p.name: p for p in sorted(PLUGINS.glob("*/*/primerl_*")) if p.is_dir()}
+
+
+def library_packages() -> dict[str, Path]:
+    """The packages under ``plugins/`` whose distribution registers no entry point: libraries
+    that plugins build on (the model building blocks), not plugins."""
+    return {name: path for name, path in plugin_packages().items() if (path / "__init__.py").is_file()
+            and "[project.entry-points" not in (path.parent / "pyproject.toml").read_text()}
 
 
 def test_roles_import_only_downward():
@@ -51,16 +61,41 @@ def test_roles_import_only_downward():
 
 
 def test_no_built_in_plugin_imports_another_plugins_package():
-    packages = plugin_packages()
-    assert len(packages) >= 20
+    packages, libraries = plugin_packages(), library_packages()
+    assert len(packages) >= 20 and set(libraries) == {"primerl_blocks"}
     wrong = []
     for name, folder in packages.items():
         for path in sorted(folder.rglob("*.py")):
             for line, module in imports(path):
                 top = module.split(".")[0]
-                if top in packages and top != name:
+                if top in packages and top != name and top not in libraries:
                     wrong.append(f"{path.relative_to(REPO)}:{line} imports {module}")
     assert wrong == []
+
+
+def test_the_core_imports_no_plugin_or_library_package():
+    """The core owns the contracts (the model contract included); what the plugins build
+    with (``primerl_blocks``) and the plugins themselves stay outside it."""
+    packages = plugin_packages()
+    wrong = [f"{path.relative_to(REPO)}:{line} imports {module}" for path in sorted(CORE.rglob("*.py"))
+             for line, module in imports(path) if module.split(".")[0] in packages]
+    assert wrong == []
+
+
+def test_every_model_plugin_that_imports_the_blocks_declares_them():
+    """A model plugin importing ``primerl_blocks`` lists ``primerl-model-blocks`` among its
+    dependencies (pip installs it with the plugin), and requirements.txt installs the blocks
+    before the model plugins."""
+    users = []
+    for name, folder in plugin_packages().items():
+        if any(m.split(".")[0] == "primerl_blocks" for f in folder.rglob("*.py") for _, m in imports(f)) \
+                and name != "primerl_blocks":
+            users.append(name)
+            assert '"primerl-model-blocks"' in (folder.parent / "pyproject.toml").read_text(), name
+    assert len(users) >= 7
+    lines = [ln.strip() for ln in (REPO / "requirements.txt").read_text().splitlines()]
+    first_model = next(i for i, ln in enumerate(lines) if ln.startswith("-e ./plugins/models/") and "common" not in ln)
+    assert lines.index("-e ./plugins/models/common") < first_model
 
 
 def test_the_check_sees_what_it_checks(tmp_path):
@@ -234,3 +269,133 @@ def test_the_repeat_check_finds_a_repeat(tmp_path):
     (tmp_path / "a.py").write_text("def f():\n" + body)
     (tmp_path / "b.py").write_text("import os\n\n" + body)
     assert len(repeated_runs([tmp_path / "a.py"], [tmp_path / "b.py"])) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# The model contract (primerl.models.contract): declared, never probed
+# ---------------------------------------------------------------------------------------
+
+# what a model declares beside its Protocol members: its plan's parts (routers, experts, the
+# correction bias, the head), which used to be found by attribute or class
+MODEL_PARTS = {"e_score_correction_bias", "is_moe", "lm_head", "get_output_embeddings", "experts", "gate",
+               "mixer_kind", "moe_plan", "layer_plan", "bias_name", "ep_sharded", "inv_freq"}
+
+
+# members whose names other kinds use too (a plugin's ``Config`` class, a config's ``device``)
+GENERIC = {"Config", "config", "dtype", "device", "forward"}
+
+
+def model_contract_names() -> set[str]:
+    """Every member of the model contract's Protocols (but the generic names), and the parts
+    a model's plan declares."""
+    from primerl.models.contract import CausalLM, HFCausalLM, protocol_members
+
+    return (set(protocol_members(CausalLM)) | set(protocol_members(HFCausalLM)) | MODEL_PARTS) - GENERIC
+
+
+def model_probes(path: Path, names: set[str]) -> list[str]:
+    """getattr/hasattr calls naming a member of the model contract."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+            out.append(f"{_where(path)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+    return out
+
+
+def test_no_caller_probes_the_model_for_what_the_contract_declares():
+    """The trainer, the engine, the parallelisms, LoRA and FP8 call the model's declared
+    members (``CausalLM``) and read its plan; none asks ``hasattr(model, "parallel_plan")``
+    or finds routers by ``hasattr(m, "e_score_correction_bias")``."""
+    names = model_contract_names()
+    assert {"parallel_plan", "unpack_segments", "moe_layers", "new_cache", "cache_layout", "vocab_size"} <= names
+    paths = sorted(CORE.rglob("*.py")) + sorted(f for p in plugin_packages().values() for f in p.rglob("*.py"))
+    assert [hit for path in paths for hit in model_probes(path, names)] == []
+
+
+def test_the_model_probe_check_sees_what_it_checks(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('plan = model.parallel_plan() if hasattr(model, "parallel_plan") else {}\n'
+                 'cp = getattr(module, "unpack_segments", True)\n'
+                 'routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]\n')
+    assert len(model_probes(f, model_contract_names())) == 3
+
+
+def test_every_built_in_model_satisfies_the_causal_lm_protocol(tmp_path):
+    """Every model plugin's tiny preset (and ``hf`` on a tiny transformers checkpoint) is a
+    ``CausalLM`` whose plan is consistent with itself: its units, routers and experts are
+    modules of the model, its biases buffers, its MoE layers the model's."""
+    import torch
+    import transformers
+
+    from primerl.models import ModelConfig
+    from primerl.models.contract import CausalLM, HFCausalLM, ParallelPlan, check_causal_lm
+    from primerl.registry import get_registry
+
+    reg = get_registry()
+    checked = []
+    for component in reg.of_kind("model"):
+        if component.error is not None or not (component.distribution or "").startswith("primerl"):
+            continue
+        adapter = component.load()()
+        if component.name == "hf":
+            hf_dir = tmp_path / "llama"
+            cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1)
+            torch.manual_seed(0)
+            transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir)
+            model = adapter.build(ModelConfig(name="hf", checkpoint=str(hf_dir)))
+        else:
+            model = adapter.build(ModelConfig(name=component.name, preset="tiny"))
+            assert isinstance(model, HFCausalLM), component.name
+        assert isinstance(model, torch.nn.Module) and isinstance(model, CausalLM), component.name
+        assert isinstance(model.parallel_plan(), ParallelPlan), component.name
+        assert check_causal_lm(model) == [], component.name
+        checked.append(component.name)
+    assert {"glm5", "kimi", "nemotron", "qwen3-moe", "minimax", "qwen3", "llama", "hf"} <= set(checked)
+
+
+def test_the_structural_check_names_what_a_model_lacks():
+    import torch
+
+    from primerl.models.contract import CausalLM, check_causal_lm
+
+    bare = torch.nn.Linear(2, 2)
+    assert not isinstance(bare, CausalLM)
+    assert "parallel_plan" in check_causal_lm(bare)[0] and "moe_layers" in check_causal_lm(bare)[0]
+
+
+# modules that are contracts (what plugins code against) or the core's model transforms
+CONTRACT_MODULES = ["models/__init__.py", "models/contract.py", "models/experts.py", "models/batch.py",
+                    "models/tensors.py", "models/checkpoint.py", "models/fp8.py", "models/fp8_matmul.py", "lora.py"]
+
+
+def declares_all(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    return any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+               for n in tree.body)
+
+
+def test_every_model_contract_module_and_block_declares_all():
+    paths = [CORE / m for m in CONTRACT_MODULES]
+    paths += [p for p in sorted((PLUGINS / "models" / "common" / "primerl_blocks").glob("*.py"))
+              if p.name != "__init__.py"]
+    assert len(paths) >= 15
+    assert [str(p.relative_to(REPO)) for p in paths if not declares_all(p)] == []
+
+
+def test_the_model_contract_is_written_down():
+    """docs/models.md ("The model contract") names every member of ``CausalLM`` and
+    ``HFCausalLM`` and every field of the plan."""
+    import re
+
+    import attrs
+
+    from primerl.models.contract import CausalLM, HFCausalLM, LayerPlan, MoEPlan, ParallelPlan, protocol_members
+
+    text = (REPO / "docs" / "models.md").read_text()
+    section = text.split("## The model contract", 1)[1].split("\n## ", 1)[0]
+    names = set(protocol_members(CausalLM)) | set(protocol_members(HFCausalLM))
+    names |= {f.name for cls in (ParallelPlan, LayerPlan, MoEPlan) for f in attrs.fields(cls)}
+    names |= {"fsdp_units", "routers", "experts", "router_biases", "moe_layers"}
+    assert sorted(n for n in names if not re.search(rf"\b{n}\b", section)) == []

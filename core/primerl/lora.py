@@ -4,16 +4,18 @@ Why: most users with few GPUs post-train this way; the optimizer's state is the 
 only (two AdamW moments of ``r x (in + out)`` numbers per wrapped linear instead of
 ``in x out``), and gradients of the frozen weights are never computed.
 
-* :func:`apply_lora` wraps every selected ``nn.Linear`` of a model (built by any model
-  plugin, ``hf`` included) in :class:`LoRALinear`, which keeps the linear's ``weight`` and
+* :func:`apply_lora` wraps every selected ``nn.Linear`` of a model (a
+  :class:`primerl.models.contract.CausalLM` built by any model plugin, ``hf`` included) in
+  :class:`LoRALinear`, which keeps the linear's ``weight`` and
   ``bias`` under their names (frozen) and adds ``lora_A.weight`` [r, in] (PEFT's init)
   and ``lora_B.weight`` [out, r] (zeros): ``y = x W^T + b + (alpha / r) x A^T B^T``.
   Selected: the linears whose name ends with one of ``target_modules``, by default every
-  linear but the routers (``gate``), the output head included unless it is tied to the
-  input embeddings (on a small model much of what RL changes is in the head: the quick
+  linear but the routers (``gate``), the output head (the plan's ``head``) included unless
+  the plan says it is tied to the input embeddings (on a small model much of what RL changes is in the head: the quick
   start's reward rise is 0.12-0.16 without it, above 0.2 with it).
-* Routed experts held as fused 3D tensors (:class:`primerl.models.layers.Experts`,
-  ``gate_up_proj`` [E, out, in], ``down_proj``) get an adapter per expert, as PEFT's
+* Routed experts held as fused 3D tensors (the plan's ``experts``, each a
+  :class:`primerl.models.experts.Experts`: ``gate_up_proj`` [E, out, in], ``down_proj``)
+  get an adapter per expert, as PEFT's
   ``target_parameters`` does: ``A`` [E*r, in] and ``B`` [out, r*E] (registered as
   ``lora_<param>_A`` / ``_B``), and the module reads ``W[e] + (alpha / r) B_e A_e``
   (:func:`adapt_experts`).
@@ -38,6 +40,23 @@ import torch
 from torch import nn
 
 from primerl.errors import PrimerlError
+from primerl.models.contract import CausalLM
+
+__all__ = [
+    "ADAPTER_DIR",
+    "LoRAExperts",
+    "LoRALinear",
+    "Split",
+    "adapt_experts",
+    "apply_lora",
+    "describe",
+    "expert_delta",
+    "is_adapter",
+    "load_adapter",
+    "lora_modules",
+    "merged",
+    "write_peft_adapter",
+]
 
 ADAPTER_DIR = "adapter"  # a checkpoint's PEFT adapter folder
 PEFT_PREFIX = "base_model.model."  # PEFT's names: this + the model's module name
@@ -74,7 +93,7 @@ class LoRALinear(nn.Module):
 
 
 class LoRAExperts:
-    """Mixed into an adapted :class:`~primerl.models.layers.Experts` (its class swapped, so
+    """Mixed into an adapted :class:`~primerl.models.experts.Experts` (its class swapped, so
     every path that reads its 3D weights reads the adapted ones): ``adapted`` lists its
     adapted parameters, in PEFT's nesting order (the in-projection first)."""
 
@@ -113,7 +132,12 @@ def _adapted_class(cls: type, names: tuple[str, ...]) -> type:
 
 def adapt_experts(module: nn.Module, rank: int, alpha: float) -> None:
     """Per-expert adapters on ``module``'s 3D weights (in-projection, then ``down_proj``)."""
-    names = tuple(n for n in ("gate_up_proj", "up_proj", "down_proj") if n in module._parameters)
+    from primerl.models.experts import Experts
+
+    if not isinstance(module, Experts):
+        raise PrimerlError(f"trainer.lora: {type(module).__name__} is declared as routed experts but is not a "
+                           f"primerl.models.experts.Experts module: its experts cannot take adapters")
+    names = module.projections
     for n in names:
         w = module._parameters[n]  # [E, out, in]
         E, out, inp = w.shape
@@ -132,17 +156,14 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))}
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: Iterable[str] = (), *,
+def apply_lora(model: CausalLM, rank: int, alpha: float, target_modules: Iterable[str] = (), *,
                experts: bool = True) -> list[str]:
     """Freeze every parameter of ``model`` and wrap the selected linears and, with
-    ``experts``, adapt its routed-expert modules (see the module docstring); returns the
-    adapted modules' names. None selected is an error."""
-    from primerl.models.layers import Experts
-
+    ``experts``, adapt the routed-expert modules its plan declares (see the module
+    docstring); returns the adapted modules' names. None selected is an error."""
+    plan = model.parallel_plan()
     targets = tuple(target_modules)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head = head if head is not None else getattr(model, "lm_head", None)
-    tied = head is not None and any(isinstance(m, nn.Embedding) and m.weight is head.weight for m in model.modules())
+    head, tied = model.get_submodule(plan.head), plan.tied_embeddings
     chosen = []
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
@@ -156,7 +177,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: Iterab
                                    f"tied to the input embeddings: leave it out of target_modules")
             continue
         chosen.append(name)
-    expert_modules = [n for n, m in model.named_modules() if isinstance(m, Experts)] if experts else []
+    expert_modules = list(plan.experts) if experts else []
     expert_modules = [n for n in expert_modules
                       if not targets or any(n.endswith("." + t) or n == t for t in targets)]
     if not chosen and not expert_modules:
@@ -168,7 +189,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, target_modules: Iterab
     for name in chosen:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), rank, alpha))
+        setattr(parent, leaf, LoRALinear(model.get_submodule(name), rank, alpha))
     for name in expert_modules:
         adapt_experts(model.get_submodule(name), rank, alpha)
     return chosen + expert_modules

@@ -313,7 +313,7 @@ def gqa_mixer(hf: Mapping[str, Any], layer: Layer, *, qk_norm: str | None, rope:
 
 
 def mamba2_mixer(hf: Mapping[str, Any], layer: Layer) -> None:
-    """Nemotron-H's Mamba-2 mixer (names and shapes of ``primerl.models.mamba2``)."""
+    """Nemotron-H's Mamba-2 mixer (names and shapes of ``primerl_blocks.mamba2``)."""
     h = hf["hidden_size"]
     heads, head_dim = hf["mamba_num_heads"], hf["mamba_head_dim"]
     groups = hf.get("n_groups", hf.get("mamba_n_groups", 8))

@@ -226,15 +226,28 @@ def test_router_replay_reproduces_routing_and_keeps_router_gradients(arch):
 
 def test_parallel_plan_describes_layers_units_and_moe_modules(arch):
     name, adapter, model = arch
+    from primerl.models.contract import check_causal_lm
+    from primerl.models.experts import Experts
+
     plan = model.parallel_plan()
     n = len(model.model.layers)
-    assert len(plan["fsdp_units"]) == n + 2 and plan["fsdp_units"][0] == "model.layers.0"
-    assert [i for i, layer in enumerate(plan["layers"]) if layer["moe"]] == model.moe_layers
-    assert len(plan["routers"]) == len(plan["experts"]) == len(model.moe_layers)
-    mixers = {layer["mixer"] for layer in plan["layers"]}
-    want = {"glm5": {"mla_dsa"}, "kimi": {"mla"}, "qwen3-moe": {"gqa"}, "nemotron": {"mamba2", "gqa", None},
+    assert len(plan.fsdp_units) == n + 2 and plan.fsdp_units[0] == "model.layers.0"
+    assert plan.fsdp_units[-2:] == (plan.embeddings, "lm_head") and plan.head == "lm_head"
+    assert list(plan.moe_layers) == model.moe_layers
+    assert len(plan.routers) == len(plan.experts) == len(model.moe_layers)
+    mixers = {layer.mixer.value for layer in plan.layers}
+    want = {"glm5": {"mla_dsa"}, "kimi": {"mla"}, "qwen3-moe": {"gqa"}, "nemotron": {"mamba2", "gqa", "none"},
             "qwen3": {"gqa"}, "minimax": {"gqa"}, "llama": {"gqa"}}[name]
     assert mixers == want
+    # the routers, experts and correction biases the plan declares are the model's own
+    modules, buffers = dict(model.named_modules()), dict(model.named_buffers())
+    assert all(isinstance(modules[e], Experts) for e in plan.experts)
+    assert all(modules[r].weight.shape[0] == modules[e].down_proj.shape[0] for r, e in zip(plan.routers, plan.experts))
+    biased = {"glm5", "kimi", "nemotron", "minimax"}  # sigmoid routing ("noaux_tc"); qwen3-moe: softmax, no bias
+    assert len(plan.router_biases) == (len(model.moe_layers) if name in biased else 0)
+    assert all(buffers[b].shape == (modules[e].down_proj.shape[0],) for b, e in zip(plan.router_biases, plan.experts))
+    assert plan.tied_embeddings == model.config.tie_word_embeddings
+    assert check_causal_lm(model) == []
 
 
 def test_checkpoint_round_trip_is_bit_exact_and_matches_transformers_names(arch, tmp_path):
@@ -367,10 +380,10 @@ def test_block_fp8_quantisation_round_trips_and_fp8_checkpoints_load(tmp_path):
 def test_dense_and_sparse_experts_agree(tokens):
     """Small batches run every expert densely, large ones loop over the chosen experts: same
     outputs and same gradients, padding tokens untouched."""
-    from primerl.models import layers
+    from primerl.models import experts as experts_module
 
     torch.manual_seed(0)
-    experts = layers.Experts(8, 32, 16)
+    experts = experts_module.Experts(8, 32, 16)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(tokens, 32, requires_grad=True)
@@ -392,23 +405,23 @@ def test_dense_and_sparse_experts_agree(tokens):
 
 
 def _sparse(experts, x, ids, weights, valid):
-    from primerl.models import layers
+    from primerl.models import experts as experts_module
 
-    saved = layers.DENSE_EXPERTS_MAX_RATIO
-    layers.DENSE_EXPERTS_MAX_RATIO = 0  # force the per-expert loop
+    saved = experts_module.DENSE_EXPERTS_MAX_RATIO
+    experts_module.DENSE_EXPERTS_MAX_RATIO = 0  # force the per-expert loop
     try:
         return experts(x, ids, weights, valid)
     finally:
-        layers.DENSE_EXPERTS_MAX_RATIO = saved
+        experts_module.DENSE_EXPERTS_MAX_RATIO = saved
 
 
 def test_dense_experts_see_weight_updates_without_autograd():
     """Decode keeps the stacked down projections between steps; a weight update (in place,
     as the engine's channels write, or a new storage) must still be seen by the next step."""
-    from primerl.models import layers
+    from primerl.models import experts as experts_module
 
     torch.manual_seed(0)
-    experts = layers.Experts(8, 32, 16)
+    experts = experts_module.Experts(8, 32, 16)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x, ids, weights, valid = torch.randn(5, 32), torch.randint(0, 8, (5, 2)), torch.rand(5, 2), torch.ones(5, dtype=torch.bool)

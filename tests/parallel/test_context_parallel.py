@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from primerl_fsdp.context_parallel import (
     apply_context_parallel_,
+    context_parallel_shard,
     cp_token_indices,
     gather_from_cp,
     padded_length,
@@ -141,7 +142,7 @@ def compare_with_one_process(names: list[str], rows: list[list[int]]) -> dict:
         except PrimerlError as exc:
             results[name] = {"refused": str(exc)}
             continue
-        layouts = record_layouts(model._context_parallel)
+        layouts = record_layouts(context_parallel_shard(model))
         local = split_row_for_cp(row, rank, size)
         valid = torch.arange(S)[None, :] < row["lengths"][:, None]  # [B, S]
         results[name] = {

@@ -30,7 +30,8 @@ from torch import nn
 
 from primerl.errors import PrimerlError
 from primerl.models import ModelConfig
-from primerl.models.layers import Experts
+from primerl.models.contract import LayerPlan, Mixer, MoEPlan, ParallelPlan
+from primerl.models.experts import Experts
 from primerl.registry import get_registry
 
 pytestmark = pytest.mark.slow  # every test starts torch.distributed ranks
@@ -231,14 +232,20 @@ def test_ep_on_four_ranks_on_ep_subgroups_and_under_fsdp():
     assert sorted(r["fsdp"]["gathered"] for r in per_rank) == [0, 0, 6, 6]
 
 
+def _plan_of_experts(*names: str) -> ParallelPlan:
+    """A plan of one MoE layer per experts module (no router of its own: these holders have none)."""
+    layers = tuple(LayerPlan(f"layer{i}", Mixer.NONE, MoEPlan(router=n, experts=n)) for i, n in enumerate(names))
+    return ParallelPlan(layers=layers, embeddings="", head="")
+
+
 class _OddExperts(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.experts = Experts(3, 8, 4)
         self.other = Experts(4, 8, 4, act="relu2", gated=False)
 
-    def parallel_plan(self) -> dict:
-        return {"experts": ["other", "experts"]}
+    def parallel_plan(self) -> ParallelPlan:
+        return _plan_of_experts("other", "experts")
 
 
 def check_blocks() -> dict:
@@ -261,7 +268,7 @@ def check_blocks() -> dict:
             self.experts = experts
 
         def parallel_plan(self):
-            return {"experts": ["experts"]}
+            return _plan_of_experts("experts")
 
     torch.manual_seed(0)
     full = Doubled(4, 8, 6, act="relu2", gated=False)

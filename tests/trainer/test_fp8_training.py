@@ -14,10 +14,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from primerl_blocks.layers import RMSNorm
+from primerl_blocks.moe import SigmoidRouter, SoftmaxRouter
 from torch import nn
 
 from primerl.errors import PrimerlError
 from primerl.models import ModelConfig
+from primerl.models.contract import ParallelPlan
+from primerl.models.experts import Experts
 from primerl.models.fp8 import FP8, dequantize_blockwise, fp8_round_trip_, quantize_blockwise
 from primerl.models.fp8_matmul import (
     Fp8Experts,
@@ -26,11 +30,11 @@ from primerl.models.fp8_matmul import (
     _scaled_mm_nt,
     apply_fp8_matmuls_,
     dequantize_tiles,
+    fp8_experts_,
     fp8_linear,
     fp8_matmul,
     quantize_tiles,
 )
-from primerl.models.layers import Experts, RMSNorm, SigmoidRouter, SoftmaxRouter
 from primerl.registry import get_registry
 
 FP8_REL = 0.06  # relative error of a GEMM with both operands in e4m3 (3 mantissa bits): ~3-4%
@@ -213,11 +217,25 @@ def test_conversion_keeps_names_and_leaves_high_precision_modules_alone(name):
     assert apply_fp8_matmuls_(model) == done  # idempotent
 
 
+class _HeadOnly(nn.Module):
+    """Embeddings, a norm and a head: nothing FP8 computes (the head stays high precision)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens, self.norm, self.lm_head = nn.Embedding(10, 8), RMSNorm(8), nn.Linear(8, 10)
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan(layers=(), embeddings="embed_tokens", head="lm_head")
+
+
 def test_nothing_to_convert_is_an_error():
-    model = nn.Module()
-    model.embed_tokens, model.norm, model.lm_head = nn.Embedding(10, 8), RMSNorm(8), nn.Linear(8, 10)
     with pytest.raises(PrimerlError, match="nothing to compute in FP8"):
-        apply_fp8_matmuls_(model)
+        apply_fp8_matmuls_(_HeadOnly())
+
+
+def test_declared_experts_that_are_no_experts_module_are_refused():
+    with pytest.raises(PrimerlError, match="declared as routed experts but is not"):
+        fp8_experts_(nn.Linear(8, 8))
 
 
 def make_experts(gated: bool, E=4, H=96, I=64, seed=0) -> Experts:  # noqa: E741
@@ -245,19 +263,19 @@ def test_fp8_experts_equal_experts_with_dequantized_weights(gated, dense, monkey
     """Weight-only (activations=False): exactly Experts holding the FP8-rounded weights.
     Full FP8: the per-expert loop equals a quantize-dequantize reference exactly; both paths
     stay within FP8 error of float32, gradients included."""
-    from primerl.models import layers
+    from primerl.models import experts as experts_module
 
-    monkeypatch.setattr(layers, "DENSE_EXPERTS_MAX_RATIO", 8 if dense else 0)
+    monkeypatch.setattr(experts_module, "DENSE_EXPERTS_MAX_RATIO", 8 if dense else 0)
     x, ids, weights, valid = routing()
     ref = make_experts(gated)
     rounded = copy.deepcopy(ref)
     fp8_round_trip_(rounded)
     wonly = copy.deepcopy(ref)
-    apply_fp8_matmuls_(nn.ModuleList([wonly]), activations=False)
+    fp8_experts_(wonly, activations=False)
     assert torch.equal(wonly(x, ids, weights, valid), rounded(x, ids, weights, valid))
 
     fp8 = copy.deepcopy(ref)
-    apply_fp8_matmuls_(nn.ModuleList([fp8]))
+    fp8_experts_(fp8)
     out = fp8(x, ids, weights, valid)
     assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
     assert rel(out, ref(x, ids, weights, valid)) < 2 * FP8_REL
@@ -279,14 +297,14 @@ def test_fp8_experts_equal_experts_with_dequantized_weights(gated, dense, monkey
 
 
 def test_dense_and_per_expert_paths_agree(monkeypatch):
-    from primerl.models import layers
+    from primerl.models import experts as experts_module
 
     x, ids, weights, valid = routing()
     ex = make_experts(True)
-    apply_fp8_matmuls_(nn.ModuleList([ex]))
-    monkeypatch.setattr(layers, "DENSE_EXPERTS_MAX_RATIO", 8)
+    fp8_experts_(ex)
+    monkeypatch.setattr(experts_module, "DENSE_EXPERTS_MAX_RATIO", 8)
     dense = ex(x, ids, weights, valid)
-    monkeypatch.setattr(layers, "DENSE_EXPERTS_MAX_RATIO", 0)
+    monkeypatch.setattr(experts_module, "DENSE_EXPERTS_MAX_RATIO", 0)
     loop = ex(x, ids, weights, valid)
     # the dense path quantizes w * h where the loop quantizes h (then scales): rounding only
     assert rel(dense, loop) < 0.02
@@ -306,13 +324,13 @@ class CountingMixin:
 def test_composes_with_a_subclass_mixin_on_the_experts(wrapped_first):
     x, ids, weights, valid = routing()
     plain = make_experts(True)
-    apply_fp8_matmuls_(nn.ModuleList([plain]))
+    fp8_experts_(plain)
     ex = make_experts(True)
     if wrapped_first:
         ex.__class__ = type("EPExperts", (CountingMixin, Experts), {})
-        apply_fp8_matmuls_(nn.ModuleList([ex]))
+        fp8_experts_(ex)
     else:
-        apply_fp8_matmuls_(nn.ModuleList([ex]))
+        fp8_experts_(ex)
         ex.__class__ = type("EPExperts", (CountingMixin, type(ex)), {})
     assert isinstance(ex, Fp8Experts) and isinstance(ex, CountingMixin)
     assert torch.equal(ex(x, ids, weights, valid), plain(x, ids, weights, valid)) and ex.calls == 1

@@ -42,7 +42,7 @@ def test_single_lays_out_by_parallel_plan_and_yields_every_weight_once(tiny_mode
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
     plan = model.parallel_plan()
     assert layout == ParallelLayout(strategy="single", mesh={"dp_replicate": 1},
-                                    units=(*plan["fsdp_units"], ROOT_UNIT))
+                                    units=(*plan.fsdp_units, ROOT_UNIT))
     assert layout.world_size == 1 and not layout.shards_weights
     assert layout.describe().startswith("single on mesh (dp_replicate=1): nothing sharded")
 

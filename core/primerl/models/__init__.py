@@ -6,8 +6,11 @@ module level: ``primerl run --dry-run`` instantiates it to validate the ``[model
 section. Everything heavy (the torch model, the tokenizer, checkpoint IO) is imported
 inside the methods that need it.
 
-The framework talks to models only through this class, so the engine, the trainer and
-checkpointing carry no model-specific code.
+The framework talks to models only through this class and the model it builds, a
+:class:`primerl.models.contract.CausalLM` (the members the trainer, the engine and the
+parallelism plugins call, with the typed plan through which a model declares its layers,
+routers and experts), so the engine, the trainer and checkpointing carry no
+model-specific code. ``docs/models.md`` ("The model contract") writes both down.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ import attrs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+    from primerl.models.contract import HFCausalLM
+
+__all__ = ["HFModelAdapter", "ModelAdapter", "ModelCapabilities", "ModelConfig", "plugin_for_model_type"]
 
 
 def _check_dtype(_inst: Any, attribute: attrs.Attribute, value: str) -> None:
@@ -113,9 +120,9 @@ class ModelAdapter:
     Subclasses set ``name``, ``presets`` and ``Config`` and implement:
 
     * ``hf_config(preset) -> dict``: the HF-style ``config.json`` of a preset.
-    * ``build(config, *, device="cpu") -> torch.nn.Module``: our torch implementation with
-      the packed/ragged forward described in ``docs/models.md`` (random init for a preset,
-      or weights from ``config.checkpoint``).
+    * ``build(config, *, device="cpu") -> torch.nn.Module``: a
+      :class:`~primerl.models.contract.CausalLM` (the packed/ragged forward described in
+      ``docs/models.md``; random init for a preset, or weights from ``config.checkpoint``).
     * ``tokenizer(config)``: a ``transformers.PreTrainedTokenizerFast`` (built locally for
       presets, read from the checkpoint directory otherwise).
     * ``save_checkpoint(model, directory, tokenizer=None)``: write an HF checkpoint (the
@@ -181,9 +188,9 @@ class HFModelAdapter(ModelAdapter):
 
     * ``model_types``: the HF ``model_type`` values a checkpoint's ``config.json`` may have;
     * ``preset_configs``: preset name -> HF config dict (light: plain dicts);
-    * ``model_class``: lazy ``"module:Class"`` of the torch model (a
-      :class:`primerl.models.decoder.DecoderLM` with ``Config.from_hf``, ``to_hf``,
-      ``init_weights``, ``cast_`` and ``tie_weights``);
+    * ``model_class``: lazy ``"module:Class"`` of the torch model, a
+      :class:`primerl.models.contract.HFCausalLM` (``primerl_blocks.decoder.DecoderLM``
+      is one);
     * ``hf_format()``: the :class:`primerl.models.checkpoint.HFFormat` of its checkpoints.
 
     Checkpoints are read one tensor at a time into the model built on the ``meta`` device
@@ -251,7 +258,7 @@ class HFModelAdapter(ModelAdapter):
         return model
 
     def build_from_hf(self, hf: dict[str, Any], *, dtype: str = "float32", seed: int | None = 0,
-                      device: str = "cpu") -> torch.nn.Module:
+                      device: str = "cpu") -> HFCausalLM:
         """Our model for an HF config dict; random weights from ``seed`` (None: uninitialised)."""
         import torch
 
@@ -260,7 +267,7 @@ class HFModelAdapter(ModelAdapter):
             model = cls(cls.Config.from_hf(hf))
         model.to_empty(device=device)
         model.tie_weights()
-        model.cast_(getattr(torch, dtype))
+        model.cast_({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
         if seed is not None:
             model.init_weights(seed)
         model.hf_config = hf
@@ -275,7 +282,7 @@ class HFModelAdapter(ModelAdapter):
 
         return AutoTokenizer.from_pretrained(config.checkpoint_dir())
 
-    def load_checkpoint(self, model: torch.nn.Module, directory: Any) -> None:
+    def load_checkpoint(self, model: HFCausalLM, directory: Any) -> None:  # type: ignore[override]
         """Overwrite ``model``'s weights in place from an HF checkpoint (also weight updates)."""
         import json
         from pathlib import Path
@@ -292,11 +299,12 @@ class HFModelAdapter(ModelAdapter):
         load_checkpoint(model, directory, self.hf_format(), num_layers=c.num_hidden_layers,
                         tied=c.tie_word_embeddings, fp8_block=fp8_block_size(hf) or 128)
 
-    def save_checkpoint(self, model: torch.nn.Module, directory: Any, tokenizer: Any = None, **kwargs: Any) -> Any:
+    def save_checkpoint(self, model: HFCausalLM, directory: Any, tokenizer: Any = None,  # type: ignore[override]
+                        **kwargs: Any) -> Any:
         """Write an HF checkpoint (see :func:`primerl.models.checkpoint.save_checkpoint`)."""
         from primerl.models.checkpoint import save_checkpoint
 
-        hf = {**getattr(model, "hf_config", {}), **model.config.to_hf()}
+        hf = {**model.hf_config, **model.config.to_hf()}
         if "num_nextn_predict_layers" in hf:
             hf["num_nextn_predict_layers"] = 0  # multi-token-prediction layers are not part of our model
         return save_checkpoint(model, directory, hf, self.hf_format(), tokenizer=tokenizer,

@@ -13,9 +13,10 @@ the other ranks) and whose ``visible`` relates the local queries to them. Sequen
 read the keys of other tokens only through :meth:`Batch.keys`, so attention needs no code
 of its own for it (``primerl_fsdp.context_parallel``).
 
-Sequence mixers (:mod:`primerl.models.attention`, :mod:`~primerl.models.mla`,
-:mod:`~primerl.models.mamba2`) and :mod:`primerl.models.decoder` import this module; it
-imports none of them.
+Why in the core: it is the contract between a model's layers and their callers (the
+engine's slot cache, context parallel's :class:`RowShard`). The sequence mixers of the
+building blocks (``primerl_blocks.attention``, ``.mla``, ``.mamba2``) and their decoder
+(``primerl_blocks.decoder``) import this module; it imports none of them.
 """
 
 from __future__ import annotations
@@ -24,14 +25,32 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import torch
 from torch import Tensor, nn
 
+__all__ = [
+    "Batch",
+    "LayerCache",
+    "RowShard",
+    "Segments",
+    "SlotCache",
+    "make_batch",
+    "mix",
+    "sharded_rows",
+]
+
 # ---------------------------------------------------------------------------------------
 # Slot cache
 # ---------------------------------------------------------------------------------------
+
+
+class LayerCache(TypedDict, total=False):
+    """One layer's entry of a cache layout (``CausalLM.cache_layout()``), see :class:`SlotCache`."""
+
+    per_token: dict[str, tuple[int, ...]]  # name -> trailing shape: [num_slots, max_len, *shape] each
+    state: dict[str, tuple[tuple[int, ...], torch.dtype | None]]  # name -> (shape, dtype): [num_slots, *shape]
 
 
 class SlotCache:
@@ -55,7 +74,7 @@ class SlotCache:
     treats a slot whose past length is 0 as holding the zero state, so slots need no reset.
     """
 
-    def __init__(self, layout: list[dict[str, dict]], num_slots: int, max_len: int, *,
+    def __init__(self, layout: list[LayerCache], num_slots: int, max_len: int, *,
                  dtype: torch.dtype, device: Any) -> None:
         self.num_slots, self.max_len = num_slots, max_len
         self.per_token: list[dict[str, Tensor]] = []

@@ -30,6 +30,21 @@ from typing import Any
 
 import attrs
 
+__all__ = [
+    "CONFIG_NAME",
+    "INDEX_NAME",
+    "WEIGHTS_NAME",
+    "FusedExperts",
+    "HFFormat",
+    "fp8_block_size",
+    "has_chat_template",
+    "load_checkpoint",
+    "read_config",
+    "save_checkpoint",
+    "shard_files",
+    "to_hf",
+]
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -158,84 +173,121 @@ def load_checkpoint(model: Any, directory: str | Path, fmt: HFFormat, *, num_lay
     dequantised as they are read. ``tied``: the model's ``lm_head.weight`` is the
     embedding and need not be in the file.
     """
-    import torch
+    directory = Path(directory)
+    files = shard_files(directory)
+    load = _CheckpointLoad(model, fmt, num_layers=num_layers, tied=tied, fp8_block=fp8_block,
+                           scales=_fp8_scales(files))
+    for path in files:
+        load.shard(path)
+    load.check(directory)
+
+
+def _fp8_scales(files: list[Path]) -> dict[str, Any]:
+    """Every ``*_scale_inv`` tensor of the shards: FP8 scales are tiny (1/16384 of their
+    weight), so they are read first and kept."""
     from safetensors import safe_open
 
-    from primerl.models.fp8 import FP8, dequantize_blockwise
-
-    directory = Path(directory)
-    scales: dict[str, Any] = {}  # FP8 scales are tiny (1/16384 of their weight): read them first
-    for path in shard_files(directory):
+    scales: dict[str, Any] = {}
+    for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if key.endswith("_scale_inv"):
                     scales[key] = f.get_tensor(key)
-    used_scales: set[str] = set()
+    return scales
 
-    def read(f: Any, key: str) -> torch.Tensor:
+
+class _CheckpointLoad:
+    """One :func:`load_checkpoint`: the model's tensors to fill and what has been filled."""
+
+    def __init__(self, model: Any, fmt: HFFormat, *, num_layers: int, tied: bool, fp8_block: int,
+                 scales: dict[str, Any]) -> None:
+        self.fmt, self.num_layers, self.fp8_block, self.scales = fmt, num_layers, fp8_block, scales
+        self.used_scales: set[str] = set()
+        self.targets: dict[str, Any] = dict(model.state_dict(keep_vars=True))
+        self.required = set(self.targets) - ({"lm_head.weight"} if tied else set())
+        self.filled: set[str] = set()
+        self.parts_seen: dict[str, set[tuple[int, str]]] = {}  # fused param -> {(expert, part)}
+        self.unexpected: list[str] = []
+        self.layer_key, self.expert_key = re.compile(fmt.layer_pattern), fmt.expert_key()
+
+    def past_last_layer(self, key: str) -> bool:
+        """A multi-token-prediction layer's tensor (after the last decoder layer): not part of the model."""
+        layer = self.layer_key.match(key)
+        return bool(layer) and int(layer.group(1)) >= self.num_layers
+
+    def read(self, f: Any, key: str) -> Any:
+        """The tensor ``key`` of the open shard ``f``, dequantised when it is block-FP8."""
+        import torch
+
+        from primerl.models.fp8 import FP8, dequantize_blockwise
+
         t = f.get_tensor(key)
         if t.dtype == FP8:
             scale = key + "_scale_inv"
-            if scale not in scales:
+            if scale not in self.scales:
                 raise ValueError(f"{key} is float8 but the checkpoint has no {scale}")
-            used_scales.add(scale)
-            return dequantize_blockwise(t, scales[scale], torch.float32, fp8_block)
+            self.used_scales.add(scale)
+            return dequantize_blockwise(t, self.scales[scale], torch.float32, self.fp8_block)
         return t
 
-    targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
-    required = set(targets) - ({"lm_head.weight"} if tied else set())
-    filled: set[str] = set()
-    parts_seen: dict[str, set[tuple[int, str]]] = {}  # fused param -> {(expert, part)}
-    unexpected: list[str] = []
-    layer_key, expert_key = re.compile(fmt.layer_pattern), fmt.expert_key()
-    fused = {f.param: f for f in fmt.experts}
+    @staticmethod
+    def copy(name: str, dst: Any, src: Any) -> None:
+        import torch
 
-    def copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.shape != src.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
         with torch.no_grad():
             dst.copy_(src)
 
-    for path in shard_files(directory):
+    def shard(self, path: Path) -> None:
+        """Every tensor of one shard file into its place (a parameter, or an expert's rows of
+        a fused one)."""
+        from safetensors import safe_open
+
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if key in scales:
+                if key in self.scales or self.past_last_layer(key):
                     continue
-                layer = layer_key.match(key)
-                if layer and int(layer.group(1)) >= num_layers:
-                    continue  # multi-token-prediction layers are not part of the model
-                name = fmt.to_model_name(key)
-                if name in targets:
-                    copy(key, targets[name], read(f, key))
-                    filled.add(name)
-                    continue
-                m = expert_key.fullmatch(name)
-                spec = next((s for s in fmt.experts if m and m["part"] in s.parts
-                             and f"{m['prefix']}.{s.param}" in targets), None)
-                if spec is None:
-                    unexpected.append(key)
-                    continue
-                target = f"{m['prefix']}.{spec.param}"
-                e, part = int(m["expert"]), m["part"]
-                dst = targets[target][e]  # [sum of part rows, in]
-                rows = dst.shape[0] // len(spec.parts)
-                i = spec.parts.index(part)
-                copy(key, dst[i * rows:(i + 1) * rows], read(f, key))
-                parts_seen.setdefault(target, set()).add((e, part))
+                name = self.fmt.to_model_name(key)
+                if name in self.targets:
+                    self.copy(key, self.targets[name], self.read(f, key))
+                    self.filled.add(name)
+                elif not self.expert(f, key, name):
+                    self.unexpected.append(key)
 
-    for target, seen in parts_seen.items():
-        spec = fused[target.rpartition(".")[2]]
-        if seen == {(e, p) for e in range(targets[target].shape[0]) for p in spec.parts}:
-            filled.add(target)
-    unexpected += sorted(k for k in set(scales) - used_scales
-                         if not (layer_key.match(k) and int(layer_key.match(k).group(1)) >= num_layers))
-    missing = sorted(required - filled)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {directory} does not match the model: "
-            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-        )
+    def expert(self, f: Any, key: str, name: str) -> bool:
+        """One expert's linear ``...experts.{e}.<part>.weight`` into its rows of the fused
+        3D tensor; False when ``name`` is no such part of the model."""
+        m = self.expert_key.fullmatch(name)
+        spec = next((s for s in self.fmt.experts if m and m["part"] in s.parts
+                     and f"{m['prefix']}.{s.param}" in self.targets), None)
+        if spec is None:
+            return False
+        target = f"{m['prefix']}.{spec.param}"
+        e, part = int(m["expert"]), m["part"]
+        dst = self.targets[target][e]  # [sum of part rows, in]
+        rows = dst.shape[0] // len(spec.parts)
+        i = spec.parts.index(part)
+        self.copy(key, dst[i * rows:(i + 1) * rows], self.read(f, key))
+        self.parts_seen.setdefault(target, set()).add((e, part))
+        return True
+
+    def check(self, directory: Path) -> None:
+        """Strict: every tensor of the model filled, every tensor of the file used."""
+        fused = {f.param: f for f in self.fmt.experts}
+        for target, seen in self.parts_seen.items():
+            spec = fused[target.rpartition(".")[2]]
+            if seen == {(e, p) for e in range(self.targets[target].shape[0]) for p in spec.parts}:
+                self.filled.add(target)
+        unexpected = self.unexpected + sorted(k for k in set(self.scales) - self.used_scales
+                                              if not self.past_last_layer(k))
+        missing = sorted(self.required - self.filled)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {directory} does not match the model: "
+                f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+            )
 
 
 def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any], fmt: HFFormat | None, *,
@@ -262,8 +314,9 @@ def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any]
     hf.pop("quantization_config", None)  # we write plain (dequantised) weights
     if tokenizer is not None:
         for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-            if hf.get(key) is None and getattr(tokenizer, key, None) is not None:
-                hf[key] = getattr(tokenizer, key)
+            value = getattr(tokenizer, key, None)
+            if hf.get(key) is None and value is not None:
+                hf[key] = value
     (directory / CONFIG_NAME).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
 
     for stale in [directory / INDEX_NAME, *directory.glob("model-*-of-*.safetensors"), directory / WEIGHTS_NAME]:

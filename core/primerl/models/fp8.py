@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+__all__ = ["BLOCK", "FP8", "FP8_MAX", "KEEP", "dequantize_blockwise", "fp8_round_trip_", "quantize_blockwise"]
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128

@@ -26,8 +26,8 @@ that are not multiples of 128 (the tiny presets' 64-wide projections, MLA's 576-
 zero-padded, which changes no scale).
 
 How: :func:`apply_fp8_matmuls_` swaps the class of every eligible ``nn.Linear`` to
-:class:`Fp8Linear` and of every :class:`~primerl.models.layers.Experts` to
-:class:`Fp8Experts` (subclasses; parameter names, shapes and dtypes unchanged, so HF
+:class:`Fp8Linear` and of every routed-experts module the model's plan declares (an
+:class:`~primerl.models.experts.Experts`) to :class:`Fp8Experts` (subclasses; parameter names, shapes and dtypes unchanged, so HF
 checkpoints, publishing and optimizer state are untouched, and a dynamic subclass that
 wraps the experts, such as an expert-parallel mixin calling ``super().forward``, still
 composes with it). Both compute through :class:`Fp8Matmul`, one autograd function.
@@ -56,8 +56,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from primerl.errors import PrimerlError
+from primerl.models.contract import CausalLM
+from primerl.models.experts import Experts
 from primerl.models.fp8 import BLOCK, FP8, FP8_MAX, KEEP, dequantize_blockwise, quantize_blockwise
-from primerl.models.layers import Experts
+
+__all__ = [
+    "Fp8Experts",
+    "Fp8Linear",
+    "Fp8Matmul",
+    "apply_fp8_matmuls_",
+    "dequantize_tiles",
+    "fp8_experts_",
+    "fp8_linear",
+    "fp8_matmul",
+    "quantize_tiles",
+]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -359,7 +372,7 @@ class Fp8Linear(nn.Linear):
 
 
 class Fp8Experts(Experts):
-    """:class:`~primerl.models.layers.Experts` with block-scaled FP8 GEMMs: same parameters,
+    """:class:`~primerl.models.experts.Experts` with block-scaled FP8 GEMMs: same parameters,
     same ``forward(x, ids, weights, valid)`` contract and the same choice between the
     per-expert loop and the dense path. Each expert's weights are quantized in their own
     128 x 128 blocks (as ``quantize_blockwise`` does on the 3D tensors, so exactly the FP8
@@ -408,34 +421,45 @@ def _eligible_linear(name: str, module: nn.Module, tied: set[int]) -> bool:
             and name.split(".")[-1] not in ("lm_head", "gate") and id(module.weight) not in tied)
 
 
-def apply_fp8_matmuls_(model: nn.Module, *, activations: bool = True) -> list[str]:
+def fp8_experts_(module: nn.Module, *, activations: bool = True) -> None:
+    """Make one routed-experts module compute with block-scaled FP8 GEMMs, in place (class
+    swap to :class:`Fp8Experts`, or a subclass of it and the module's own class)."""
+    if not isinstance(module, Experts):
+        raise PrimerlError(f"trainer.fp8: {type(module).__name__} is declared as routed experts but is not a "
+                           f"primerl.models.experts.Experts module: its experts cannot compute in FP8")
+    if not isinstance(module, Fp8Experts):
+        module.__class__ = _fp8_experts_class(type(module))
+    module.fp8_activations = activations
+
+
+def apply_fp8_matmuls_(model: CausalLM, *, activations: bool = True) -> list[str]:
     """Make ``model`` train with block-scaled FP8 GEMMs, in place: every eligible
-    ``nn.Linear`` becomes :class:`Fp8Linear` and every ``Experts`` :class:`Fp8Experts`
-    (class swap: parameter names, shapes, dtypes and values unchanged). Routers, norms,
-    embeddings and the LM head stay high precision. Idempotent.
+    ``nn.Linear`` becomes :class:`Fp8Linear` and every routed-experts module its plan
+    declares (``parallel_plan().experts``) :class:`Fp8Experts` (class swap: parameter
+    names, shapes, dtypes and values unchanged). Routers, norms, embeddings and the LM head
+    stay high precision. Idempotent.
 
     ``activations=False``: weights only (W8A16), the numbers of an engine serving FP8
     weights with high-precision activations (``fp8_round_trip_``).
     Returns the names of the modules computing in FP8. Raises PrimerlError when there is
     none (no linear or experts module to convert).
     """
+    experts = set(model.parallel_plan().experts)
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     done = []
     for name, module in model.named_modules():
-        if isinstance(module, (Fp8Linear, Fp8Experts)):
-            pass
-        elif _eligible_linear(name, module, tied):
+        if name in experts:
+            fp8_experts_(module, activations=activations)
+        elif isinstance(module, Fp8Linear) or _eligible_linear(name, module, tied):
             module.__class__ = Fp8Linear
-        elif isinstance(module, Experts):
-            module.__class__ = _fp8_experts_class(type(module))
+            module.fp8_activations = activations
         else:
             continue
-        module.fp8_activations = activations
         done.append(name)
     if not done:
         raise PrimerlError(
             f"trainer.fp8: {type(model).__name__} has nothing to compute in FP8: no nn.Linear other than "
-            f"the LM head, routers and embeddings, and no primerl.models.layers.Experts module. Set "
-            f"--trainer.fp8 false, or build the model's linears from nn.Linear / Experts"
+            f"the LM head, routers and embeddings, and no routed experts in its plan. Set "
+            f"--trainer.fp8 false, or build the model's linears from nn.Linear / primerl.models.experts.Experts"
         )
     return done

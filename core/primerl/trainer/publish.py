@@ -87,7 +87,8 @@ def publish_weights(run: RunDir, n: int, model: torch.nn.Module, *, adapter: Any
     if channel == "nccl" and sender is not None:
         from primerl.models.checkpoint import to_hf
 
-        skip = ("lm_head.weight",) if getattr(model.config, "tie_word_embeddings", False) else ()
+        plan = model.parallel_plan()  # the model contract: whether the head is the embeddings' weight
+        skip = (f"{plan.head}.weight",) if plan.tied_embeddings else ()
         sender.send(to_hf(_pairs(units), adapter.hf_format(), skip=skip), version=n)
         write_dir_atomically(final, lambda d: sender.mark(d, n))
     elif channel == "shm":

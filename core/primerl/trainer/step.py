@@ -27,6 +27,7 @@ import torch
 
 from primerl.algorithms import Correction, Loss, LossInputs
 from primerl.config import RunConfig, TrainerConfig
+from primerl.models.contract import CausalLM
 from primerl.parallel import Parallelism, world_size
 from primerl.sampling import token_logprobs
 from primerl.trainer.packing import PackedBatch, join_rows
@@ -72,26 +73,28 @@ def routing_agreement(own: torch.Tensor, inference: torch.Tensor, valid: torch.T
 
 
 class RouterBalancer:
-    """Aux-loss-free load balancing (DeepSeek-V3): after each optimizer step, every sigmoid
-    router's ``e_score_correction_bias`` moves by ``rate`` towards its under-loaded experts
-    (+rate) and away from its over-loaded ones (-rate), counted over the step's tokens.
+    """Aux-loss-free load balancing (DeepSeek-V3): after each optimizer step, every MoE
+    layer's correction bias (the buffers the model's plan declares, ``router_biases``:
+    sigmoid routers' ``e_score_correction_bias``) moves by ``rate`` towards its under-loaded
+    experts (+rate) and away from its over-loaded ones (-rate), counted over the step's tokens.
 
     The bias steers which experts are chosen, never their weights, so it needs no
     gradient. ``rate`` 0 (the default for RL from a pretrained checkpoint) leaves routing
     alone; pretraining-style runs use about 1e-3.
     """
 
-    def __init__(self, model: torch.nn.Module, rate: float, parallelism: Parallelism | None = None) -> None:
+    def __init__(self, model: CausalLM, rate: float, parallelism: Parallelism | None = None) -> None:
         self.rate, self.parallelism = rate, parallelism
-        self.routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+        # [E] each, in MoE-layer order; found by name on the model as it is (FSDP keeps the names)
+        self.biases = [model.get_buffer(name) for name in model.parallel_plan().router_biases] if rate else []
         self.loads: torch.Tensor | None = None  # [L, E] tokens per expert this step
 
     def observe(self, router_experts: torch.Tensor, valid: torch.Tensor) -> None:
         """router_experts: [k, m, L, top_k] the routers' own choice; valid: [k, m] bool."""
-        if not self.rate or not self.routers:
+        if not self.rate or not self.biases:
             return
         ids = router_experts[valid].long().permute(1, 0, 2).flatten(1)  # [L, n * top_k]
-        E = self.routers[0].e_score_correction_bias.shape[0]
+        E = self.biases[0].shape[0]
         loads = torch.zeros(ids.shape[0], E).scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32))
         self.loads = loads if self.loads is None else self.loads + loads
 
@@ -100,8 +103,7 @@ class RouterBalancer:
         if self.loads is not None:
             if self.parallelism is not None:  # every rank moves its biases by the same, global loads
                 self.loads = self.parallelism.sum_over_ranks(self.loads.double()).float()
-            for router, load in zip(self.routers, self.loads, strict=True):
-                bias = router.e_score_correction_bias
+            for bias, load in zip(self.biases, self.loads, strict=True):
                 bias += self.rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
         self.loads = None
 

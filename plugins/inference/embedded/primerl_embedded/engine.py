@@ -38,13 +38,14 @@ gathering every row's keys at every step (vLLM's persistent batch condenses the 
 way). Idle cached prefixes and free slots live above the running ones: the KV store moves
 an idle prefix out of a slot the running batch needs (:meth:`KVStore.vacate`).
 
-The model contract (see the model plugins): ``model(input_ids [B,S], positions [B,S],
-lengths [B], cache=, slots=, past_lens=, logits_for="last")`` returning ``.logits [B,V]``
+The model contract (:class:`primerl.models.contract.CausalLM`, ``docs/models.md``):
+``model(input_ids [B,S], positions [B,S], lengths [B], cache=, slots=, past_lens=,
+logits_for="last")`` returning ``.logits [B,V]``
 (``[B,S,V]`` with ``logits_for="all"``, which only prompt scoring asks for) and
 ``.routed_experts [B,S,L,k]`` (or None for dense models), and
 ``model.new_cache(num_slots, max_len)`` with ``copy_prefix(src, dst, n)`` (skipped when
 the cache says ``supports_prefix_reuse = False``: recurrent layers such as Mamba keep a
-state only at a slot's full length). See :mod:`primerl.models.decoder`.
+state only at a slot's full length); prompt token ids are checked against ``model.vocab_size``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ import torch
 
 from primerl.errors import PrimerlError
 from primerl.kv_stores import KVStore, PrefixHit, SlotPool, model_identity
+from primerl.models.contract import CausalLM
 from primerl.sampling import sample, scale
 
 
@@ -180,7 +182,7 @@ class EngineStats:
 class Engine:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         *,
         eos_token_ids: list[int],
         max_batch_size: int = 64,
@@ -265,10 +267,10 @@ class Engine:
         return seqs
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model.config.vocab_size if hasattr(self.model, "config") else None
+        vocab = self.model.vocab_size
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        if vocab is not None and any(t < 0 or t >= vocab for t in prompt_ids):
+        if any(t < 0 or t >= vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         if params.max_tokens < 0:
             raise RequestError("max_tokens must be >= 0")

@@ -8,10 +8,11 @@ names and shapes are exactly those of ``GlmMoeDsaForCausalLM.state_dict()``, and
 maths follows HF op for op, so logits agree with HF to float32 rounding.
 
 Why not just use the HF model: RL needs the ragged forward of
-:mod:`primerl.models.decoder` (packed rows, a slot cache for continuous batching, router
+:mod:`primerl_blocks.decoder` (packed rows, a slot cache for continuous batching, router
 replay, the routed experts of every token), which this class gets from ``DecoderLM``.
-MLA itself is :mod:`primerl.models.mla` (shared with Kimi K2); norms, routers and experts
-are :mod:`primerl.models.layers`.
+MLA itself is :mod:`primerl_blocks.mla` (shared with Kimi K2); norms are
+:mod:`primerl_blocks.layers`, routers :mod:`primerl_blocks.moe`, the experts
+:mod:`primerl.models.experts`.
 
 The architecture, one decoder layer (x: [B, S, hidden])::
 
@@ -46,21 +47,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+from primerl_blocks.decoder import DecoderLM, PreNormLayer
+from primerl_blocks.layers import MLP, RMSNorm, rope_interleaved, rope_inv_freq, rope_parameters
+from primerl_blocks.mla import MLAttention, mla_cache_layout
+from primerl_blocks.moe import FP32_SUFFIXES, DeepSeekMoE
 from torch import Tensor, nn
 
-from primerl.models.batch import Batch
-from primerl.models.decoder import DecoderLM, PreNormLayer
-from primerl.models.layers import (
-    FP32_SUFFIXES,
-    MLP,
-    DeepSeekMoE,
-    RMSNorm,
-    cast_,
-    rope_interleaved,
-    rope_inv_freq,
-    rope_parameters,
-)
-from primerl.models.mla import MLAttention, mla_cache_layout
+from primerl.models.batch import Batch, LayerCache
+from primerl.models.contract import Mixer
+from primerl.models.tensors import cast_
 from primerl_glm5.presets import layer_types
 
 # ---------------------------------------------------------------------------------------
@@ -247,6 +242,8 @@ class Attention(MLAttention):
     """MLA whose keys are restricted to the DSA top-k; "shared" layers reuse the previous
     layer's selection (passed along as the layer carry)."""
 
+    mixer_kind = Mixer.MLA_DSA
+
     def __init__(self, config: Glm5Config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.indexer = Indexer(config) if config.indexer_types[layer_idx] == "full" else None
@@ -278,7 +275,7 @@ class Glm5Model(nn.Module):
 
 
 class Glm5ForCausalLM(DecoderLM):
-    """GLM-5 with primerl's ragged forward (see :class:`primerl.models.decoder.DecoderLM`)."""
+    """GLM-5 with primerl's ragged forward (see :class:`primerl_blocks.decoder.DecoderLM`)."""
 
     Config = Glm5Config
     keep_fp32 = FP32_SUFFIXES
@@ -300,7 +297,7 @@ class Glm5ForCausalLM(DecoderLM):
         keep = self.keep_fp32 + (("indexer.weights_proj.weight",) if dtype == torch.float16 else ())
         return cast_(self, dtype, keep)
 
-    def cache_layout(self) -> list[dict[str, dict]]:
+    def cache_layout(self) -> list[LayerCache]:
         """Per layer: the MLA latent and rope key, plus the indexer key on "full" DSA layers."""
         c = self.config
         layout = []

@@ -1,7 +1,7 @@
 """Any transformers causal LM behind primerl's ragged decoder contract.
 
-Why: primerl's engine and trainer call one forward (:class:`primerl.models.decoder.DecoderLM`:
-ragged right-padded rows, packed training rows with ``segment_ids`` and prompt trees with
+Why: primerl's engine and trainer call one model contract
+(:class:`primerl.models.contract.CausalLM`: ragged right-padded rows, packed training rows with ``segment_ids`` and prompt trees with
 ``prefix_ids``, a slot cache for continuous batching, ``logits_for="last"``); transformers'
 models offer a dense batch, a 4D attention mask and a ``Cache`` object. This module maps
 one onto the other, keeping transformers' modeling code (its attention, norms, RoPE,
@@ -36,9 +36,9 @@ import torch
 from torch import Tensor, nn
 
 from primerl.errors import PrimerlError
-from primerl.models.batch import SlotCache
-from primerl.models.decoder import ModelOutput
-from primerl.models.layers import cast_
+from primerl.models.batch import LayerCache, SlotCache
+from primerl.models.contract import LayerPlan, Mixer, ModelOutput, ParallelPlan
+from primerl.models.tensors import cast_
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -144,13 +144,15 @@ class _Probe:
 
 
 class TransformersLM(nn.Module):
-    """A transformers ``*ForCausalLM`` with the forward, cache and plan of primerl's models.
+    """A transformers ``*ForCausalLM`` behind primerl's model contract
+    (:class:`primerl.models.contract.CausalLM`: the forward, cache and plan of primerl's models).
 
     ``hf`` is the transformers model; its children (``model``, ``lm_head``, ...) become
     this module's, so parameter names are transformers' own.
     """
 
-    moe_layers: list[int] = []
+    moe_layers: list[int] = []  # nothing is routed: MoE checkpoints train their routers as plain parameters
+    unpack_segments = False  # packed rows are masked rows (transformers' attention takes a 4D mask)
     keep_fp32: tuple[str, ...] = ()
 
     def __init__(self, hf: nn.Module) -> None:
@@ -159,7 +161,7 @@ class TransformersLM(nn.Module):
             self.add_module(name, child)
         object.__setattr__(self, "hf", hf)  # not a child: its modules are ours already
         self.config = hf.config
-        text = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+        self.text_config = text = hf.config.get_text_config()
         self.num_layers = text.num_hidden_layers
         self.layer_types = list(getattr(text, "layer_types", None) or [])
         self.sliding_window = getattr(text, "sliding_window", None)
@@ -175,6 +177,10 @@ class TransformersLM(nn.Module):
         self._slot_kv, self._probe = _as_cache(SlotKV), _as_cache(_Probe)
 
     # -- what the trainer, the engine and the parallelism plugins read ---------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -193,18 +199,16 @@ class TransformersLM(nn.Module):
                                f"{type(self.hf).__name__}, its config says {self.num_layers}")
         return layers
 
-    def parallel_plan(self) -> dict[str, Any]:
-        """FSDP units: every decoder layer, then the input embeddings and the head. Nothing to
-        split for context or expert parallelism (the adapter refuses both)."""
+    def parallel_plan(self) -> ParallelPlan:
+        """FSDP units: every decoder layer, then the input embeddings and the head. Nothing
+        routed, and mixers the plan does not describe (context and expert parallel are
+        refused by the adapter)."""
         names = {m: n for n, m in self.named_modules()}
-        head = self.hf.get_output_embeddings()
-        return {
-            "fsdp_units": [names[layer] for layer in self.decoder_layers()]
-                          + [names[self.hf.get_input_embeddings()], names[head]],
-            "layers": [{"mixer": None, "moe": False} for _ in range(self.num_layers)],
-            "routers": [],
-            "experts": [],
-        }
+        head, embed = self.hf.get_output_embeddings(), self.hf.get_input_embeddings()
+        return ParallelPlan(
+            layers=tuple(LayerPlan(names[layer], Mixer.OPAQUE) for layer in self.decoder_layers()),
+            embeddings=names[embed], head=names[head], tied_embeddings=head.weight is embed.weight,
+        )
 
     def cast_(self, dtype: torch.dtype) -> TransformersLM:
         return cast_(self, dtype, self.keep_fp32)
@@ -230,7 +234,7 @@ class TransformersLM(nn.Module):
             self._kv_shapes = [probe.shapes[i] for i in range(self.num_layers)]
         return self._kv_shapes
 
-    def cache_layout(self) -> list[dict[str, dict]]:
+    def cache_layout(self) -> list[LayerCache]:
         return [{"per_token": {"k": k, "v": v}} for k, v in self.kv_shapes()]
 
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> SlotCache:
@@ -270,7 +274,7 @@ class TransformersLM(nn.Module):
         replay_experts: Tensor | None = None,
         logits_for: str | Tensor = "all",
     ) -> ModelOutput:
-        """The contract of :meth:`primerl.models.decoder.DecoderLM.forward` (see there; a mask
+        """The contract of :meth:`primerl.models.contract.CausalLM.forward` (``docs/models.md``; a mask
         in ``logits_for`` selects from every position's logits: transformers' head runs whole)."""
         B, S = input_ids.shape
         device = input_ids.device

@@ -3,9 +3,9 @@
 What this is: our implementation of ``transformers.models.deepseek_v3`` as Kimi K2 uses
 it. Parameter names and shapes are those of ``DeepseekV3ForCausalLM.state_dict()`` and
 the maths follows HF op for op, so logits agree with HF to float32 rounding. The ragged
-forward (packed rows, slot cache, router replay) is :class:`primerl.models.decoder.DecoderLM`;
-the attention is :mod:`primerl.models.mla`; norms, router and experts are
-:mod:`primerl.models.layers`.
+forward (packed rows, slot cache, router replay) is :class:`primerl_blocks.decoder.DecoderLM`;
+the attention is :mod:`primerl_blocks.mla`; norms are :mod:`primerl_blocks.layers`, the
+router and MoE block :mod:`primerl_blocks.moe`, the experts :mod:`primerl.models.experts`.
 
 One decoder layer (x: [B, S, hidden])::
 
@@ -28,19 +28,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from primerl_blocks.decoder import DecoderLM, PreNormLayer
+from primerl_blocks.layers import MLP, RMSNorm, rope_inv_freq, rope_parameters, yarn_mscale
+from primerl_blocks.mla import MLAttention, mla_cache_layout
+from primerl_blocks.moe import FP32_SUFFIXES, DeepSeekMoE
 from torch import nn
 
-from primerl.models.decoder import DecoderLM, PreNormLayer
-from primerl.models.layers import (
-    FP32_SUFFIXES,
-    MLP,
-    DeepSeekMoE,
-    RMSNorm,
-    rope_inv_freq,
-    rope_parameters,
-    yarn_mscale,
-)
-from primerl.models.mla import MLAttention, mla_cache_layout
+from primerl.models.batch import LayerCache
 from primerl_kimi.presets import moe_layer_flags
 
 
@@ -128,7 +122,7 @@ class KimiModel(nn.Module):
 
 
 class KimiForCausalLM(DecoderLM):
-    """Kimi K2 with primerl's ragged forward (see :class:`primerl.models.decoder.DecoderLM`)."""
+    """Kimi K2 with primerl's ragged forward (see :class:`primerl_blocks.decoder.DecoderLM`)."""
 
     Config = KimiConfig
     keep_fp32 = FP32_SUFFIXES  # routers stay float32, as in HF
@@ -146,5 +140,5 @@ class KimiForCausalLM(DecoderLM):
         self.moe_layers = config.moe_layers
         self.tie_weights()
 
-    def cache_layout(self) -> list[dict[str, dict]]:
+    def cache_layout(self) -> list[LayerCache]:
         return [{"per_token": mla_cache_layout(self.config)} for _ in range(self.config.num_hidden_layers)]

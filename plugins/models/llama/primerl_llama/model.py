@@ -18,11 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from primerl_blocks.attention import GQAttention, gqa_cache_layout
+from primerl_blocks.decoder import DecoderLM, PreNormLayer
+from primerl_blocks.layers import MLP, RMSNorm, rope_inv_freq, rope_parameters
 from torch import nn
 
-from primerl.models.attention import GQAttention, gqa_cache_layout
-from primerl.models.decoder import DecoderLM, PreNormLayer
-from primerl.models.layers import MLP, RMSNorm, rope_inv_freq, rope_parameters
+from primerl.models.batch import LayerCache
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,6 @@ class LlamaForCausalLM(DecoderLM):
         self.moe_layers = []
         self.tie_weights()
 
-    def cache_layout(self) -> list[dict[str, dict]]:
+    def cache_layout(self) -> list[LayerCache]:
         c = self.config
         return [{"per_token": gqa_cache_layout(c.num_key_value_heads, c.head_dim)} for _ in range(c.num_hidden_layers)]

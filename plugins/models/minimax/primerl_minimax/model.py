@@ -20,11 +20,14 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from primerl_blocks.attention import GQAttention, gqa_cache_layout
+from primerl_blocks.decoder import DecoderLM, PreNormLayer
+from primerl_blocks.layers import RMSNorm, rope_inv_freq, rope_parameters
+from primerl_blocks.moe import MoEBlock, Routing, SigmoidRouter
 from torch import Tensor, nn
 
-from primerl.models.attention import GQAttention, gqa_cache_layout
-from primerl.models.decoder import DecoderLM, PreNormLayer
-from primerl.models.layers import Experts, RMSNorm, Routing, SigmoidRouter, rope_inv_freq, rope_parameters
+from primerl.models.batch import LayerCache
+from primerl.models.experts import Experts
 from primerl_minimax.presets import num_experts, rotary_dim
 
 
@@ -77,9 +80,11 @@ class MiniMaxM2Config:
         return hf
 
 
-class MoE(nn.Module):
+class MoE(MoEBlock):
     """HF's ``MiniMaxM2SparseMoeBlock``: router ``gate``, fused ``experts``, and the block's
     ``e_score_correction_bias`` that steers the router's choice."""
+
+    block_bias = "e_score_correction_bias"
 
     def __init__(self, c: MiniMaxM2Config) -> None:
         super().__init__()
@@ -126,6 +131,6 @@ class MiniMaxM2ForCausalLM(DecoderLM):
         self.moe_layers = list(range(config.num_hidden_layers))
         self.tie_weights()
 
-    def cache_layout(self) -> list[dict[str, dict]]:
+    def cache_layout(self) -> list[LayerCache]:
         c = self.config
         return [{"per_token": gqa_cache_layout(c.num_key_value_heads, c.head_dim)} for _ in range(c.num_hidden_layers)]

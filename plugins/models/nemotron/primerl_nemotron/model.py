@@ -3,9 +3,9 @@
 A hybrid stack where every layer is one residual block ``x + mixer(RMSNorm(x))`` and the
 mixer is one of (``hybrid_override_pattern`` codes in brackets):
 
-* Mamba-2 [M] (:mod:`primerl.models.mamba2`): the bulk of the sequence mixing, with a
+* Mamba-2 [M] (:mod:`primerl_blocks.mamba2`): the bulk of the sequence mixing, with a
   per-slot recurrent state instead of a KV cache;
-* attention [*] (:mod:`primerl.models.attention`): GQA without positional encoding;
+* attention [*] (:mod:`primerl_blocks.attention`): GQA without positional encoding;
 * MoE [E]: sigmoid router with a correction bias (DeepSeek's noaux_tc), non-gated relu2
   experts, a relu2 shared expert, and for Nemotron 3 Super/Ultra an optional latent
   projection around the routed experts (``moe_latent_size``);
@@ -22,20 +22,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from primerl_blocks.attention import GQAttention, gqa_cache_layout
+from primerl_blocks.decoder import DecoderLM
+from primerl_blocks.layers import MLP, RMSNorm
+from primerl_blocks.mamba2 import Mamba2Mixer, mamba2_state_layout
+from primerl_blocks.moe import FP32_SUFFIXES, MoEBlock, Routing, SigmoidRouter
 from torch import Tensor, nn
 
-from primerl.models.attention import GQAttention, gqa_cache_layout
-from primerl.models.batch import Batch, mix
-from primerl.models.decoder import DecoderLM
-from primerl.models.layers import (
-    FP32_SUFFIXES,
-    MLP,
-    Experts,
-    RMSNorm,
-    Routing,
-    SigmoidRouter,
-)
-from primerl.models.mamba2 import Mamba2Mixer, mamba2_state_layout
+from primerl.models.batch import Batch, LayerCache, mix
+from primerl.models.contract import LayerPlan, Mixer
+from primerl.models.experts import Experts
 from primerl_nemotron.presets import layer_kinds
 
 
@@ -109,7 +105,7 @@ class NemotronConfig:
         return hf
 
 
-class MoE(nn.Module):
+class MoE(MoEBlock):
     """HF's ``NemotronHMoE``: routed relu2 experts (optionally in a latent space) + shared expert."""
 
     def __init__(self, c: NemotronConfig) -> None:
@@ -122,15 +118,16 @@ class MoE(nn.Module):
         )
         self.shared_experts = MLP(c.hidden_size, c.moe_shared_expert_intermediate_size, act="relu2",
                                   gated=False, bias=c.mlp_bias)
-        if c.moe_latent_size is not None:
+        self.latent = c.moe_latent_size is not None  # routed experts in a latent space (Super/Ultra)
+        if self.latent:
             self.fc1_latent_proj = nn.Linear(c.hidden_size, c.moe_latent_size, bias=c.mlp_bias)
             self.fc2_latent_proj = nn.Linear(c.moe_latent_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: Tensor, valid: Tensor, replay: Tensor | None) -> tuple[Tensor, Routing]:
         routing = self.gate(x, valid, replay)
-        h = self.fc1_latent_proj(x) if hasattr(self, "fc1_latent_proj") else x
+        h = self.fc1_latent_proj(x) if self.latent else x
         y = self.experts(h, routing.ids, routing.weights, valid)
-        if hasattr(self, "fc2_latent_proj"):
+        if self.latent:
             y = self.fc2_latent_proj(y)
         return y + self.shared_experts(x), routing
 
@@ -152,6 +149,12 @@ class Block(nn.Module):
             self.mixer = MoE(c)
         else:
             self.mixer = MLP(c.hidden_size, c.intermediate_size, act="relu2", gated=False, bias=c.mlp_bias)
+
+    def layer_plan(self, name: str) -> LayerPlan:
+        """A Mamba-2 or attention layer mixes the sequence; an MoE or MLP layer does not."""
+        if self.kind in ("linear_attention", "full_attention"):
+            return LayerPlan(name, self.mixer.mixer_kind)
+        return LayerPlan(name, Mixer.NONE, self.mixer.moe_plan().under(f"{name}.mixer") if self.is_moe else None)
 
     def forward(self, x: Tensor, batch: Batch, valid: Tensor, carry: Any, replay: Tensor | None):
         h = self.norm(x)
@@ -193,9 +196,9 @@ class NemotronForCausalLM(DecoderLM):
     def final_norm(self) -> nn.Module:
         return self.model.norm_f
 
-    def cache_layout(self) -> list[dict[str, dict]]:
+    def cache_layout(self) -> list[LayerCache]:
         c = self.config
-        layout: list[dict[str, dict]] = []
+        layout: list[LayerCache] = []
         for kind in c.layers_block_type:
             if kind == "full_attention":
                 layout.append({"per_token": gqa_cache_layout(c.num_key_value_heads, c.head_dim)})

@@ -17,19 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from primerl_blocks.attention import GQAttention, gqa_cache_layout
+from primerl_blocks.decoder import DecoderLM, PreNormLayer
+from primerl_blocks.layers import MLP, RMSNorm, rope_inv_freq, rope_parameters
+from primerl_blocks.moe import MoEBlock, Routing, SoftmaxRouter
 from torch import Tensor, nn
 
-from primerl.models.attention import GQAttention, gqa_cache_layout
-from primerl.models.decoder import DecoderLM, PreNormLayer
-from primerl.models.layers import (
-    MLP,
-    Experts,
-    RMSNorm,
-    Routing,
-    SoftmaxRouter,
-    rope_inv_freq,
-    rope_parameters,
-)
+from primerl.models.batch import LayerCache
+from primerl.models.experts import Experts
 from primerl_qwen3_moe.presets import moe_layer_flags, num_experts
 
 
@@ -87,7 +82,7 @@ class Qwen3MoeConfig:
         return hf
 
 
-class MoE(nn.Module):
+class MoE(MoEBlock):
     """HF's ``Qwen3MoeSparseMoeBlock``: router ``gate``, fused ``experts``."""
 
     def __init__(self, c: Qwen3MoeConfig) -> None:
@@ -129,6 +124,6 @@ class Qwen3MoeForCausalLM(DecoderLM):
         self.moe_layers = config.moe_layers
         self.tie_weights()
 
-    def cache_layout(self) -> list[dict[str, dict]]:
+    def cache_layout(self) -> list[LayerCache]:
         c = self.config
         return [{"per_token": gqa_cache_layout(c.num_key_value_heads, c.head_dim)} for _ in range(c.num_hidden_layers)]

@@ -82,6 +82,7 @@ router loads) must be all-reduced (sum) over the CP group too.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager
 from functools import lru_cache
 from typing import Any
@@ -92,9 +93,13 @@ from torch import Tensor, nn
 
 from primerl.errors import PrimerlError
 from primerl.models.batch import Batch, RowShard, Segments, sharded_rows
+from primerl.models.contract import CausalLM, Mixer
 
-# sequence mixers whose layers read other tokens only through Batch.keys
-SUPPORTED_MIXERS = (None, "gqa", "mla", "mla_dsa")
+# sequence mixers whose layers read other tokens only through Batch.keys (or mix none)
+SUPPORTED_MIXERS = (Mixer.NONE, Mixer.GQA, Mixer.MLA, Mixer.MLA_DSA)
+
+# the models context parallel is applied to, and the shard each forward of theirs goes through
+_applied: weakref.WeakKeyDictionary[nn.Module, ContextParallelShard] = weakref.WeakKeyDictionary()
 
 # torch >= 2.13 names the single-tensor collectives *_single (the *_tensor names warn)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -364,7 +369,7 @@ class ContextParallelShard(RowShard):
         if kwargs.get("logits_for", "all") != "all":
             raise PrimerlError("a context-parallel model returns logits for its own tokens: "
                                "logits_for must be 'all'")
-        self.unpack_segments = bool(getattr(module, "unpack_segments", True))
+        self.unpack_segments = bool(module.unpack_segments)
         active = sharded_rows(self)
         active.__enter__()
         self._active.append(active)
@@ -374,8 +379,13 @@ class ContextParallelShard(RowShard):
             self._active.pop().__exit__(None, None, None)
 
 
-def apply_context_parallel_(model: nn.Module, cp_group: dist.ProcessGroup | None) -> None:
-    """Make ``model`` (a :class:`~primerl.models.decoder.DecoderLM`) run on this rank's part of
+def context_parallel_shard(model: nn.Module) -> ContextParallelShard | None:
+    """The shard :func:`apply_context_parallel_` installed on ``model`` (None: not applied)."""
+    return _applied.get(model)
+
+
+def apply_context_parallel_(model: CausalLM, cp_group: dist.ProcessGroup | None) -> None:
+    """Make ``model`` (a :class:`~primerl.models.contract.CausalLM`) run on this rank's part of
     every row, attention seeing the whole rows over ``cp_group`` (None: the default group).
 
     Raises :class:`~primerl.errors.PrimerlError` for a layer whose sequence mixer cannot be
@@ -384,12 +394,12 @@ def apply_context_parallel_(model: nn.Module, cp_group: dist.ProcessGroup | None
     """
     if dist.get_world_size(cp_group) == 1:
         return
-    if getattr(model, "_context_parallel", None) is not None:
+    if model in _applied:
         raise PrimerlError("context parallelism is already applied to this model")
     name = type(model).__name__
-    for index, layer in enumerate(model.parallel_plan()["layers"]):
-        mixer = layer["mixer"]
-        if mixer == "mamba2":
+    for index, layer in enumerate(model.parallel_plan().layers):
+        mixer = layer.mixer
+        if mixer is Mixer.MAMBA2:
             raise PrimerlError(
                 f"context parallel (cp > 1) cannot split layer {index} of {name}: its sequence mixer is "
                 f"'mamba2', a scan over the sequence whose state would have to pass from rank to rank "
@@ -397,10 +407,10 @@ def apply_context_parallel_(model: nn.Module, cp_group: dist.ProcessGroup | None
             )
         if mixer not in SUPPORTED_MIXERS:
             raise PrimerlError(
-                f"context parallel (cp > 1) cannot split layer {index} of {name}: unknown sequence mixer "
-                f"{mixer!r} (supported: gqa, mla, mla_dsa); train this model with cp = 1"
+                f"context parallel (cp > 1) cannot split layer {index} of {name}: its sequence mixer is "
+                f"{mixer.value!r} (supported: gqa, mla, mla_dsa); train this model with cp = 1"
             )
     shard = ContextParallelShard(cp_group)
-    model._context_parallel = shard
+    _applied[model] = shard
     model.register_forward_pre_hook(shard.enter, with_kwargs=True)
     model.register_forward_hook(shard.exit, always_call=True)

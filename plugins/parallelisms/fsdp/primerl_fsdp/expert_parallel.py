@@ -10,8 +10,8 @@ weights being all-gathered every step.
 How (torchtitan's ``ExpertParallel`` token dispatcher, in primerl's terms):
 
 1. :func:`shard_experts_` keeps this rank's contiguous slice of experts
-   ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` in each :class:`~primerl.models.layers.Experts`
-   module's 3D parameters (same names, ``[E/ep, ...]``) and mixes
+   ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` in each routed-experts module the model's plan
+   declares (:class:`~primerl.models.experts.Experts`, ``parallel_plan().experts``): its 3D parameters (same names, ``[E/ep, ...]``) and mixes
    :class:`ExpertParallelMixin` into its class, so a subclass of ``Experts`` (FP8
    experts...) keeps its own compute.
 2. Forward (:meth:`ExpertParallelMixin.forward`): the valid token-expert pairs are
@@ -58,7 +58,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from primerl.errors import PrimerlError
-from primerl.models.layers import Experts
+from primerl.models.contract import CausalLM
+from primerl.models.experts import Experts
 
 __all__ = [
     "ExpertParallelMixin",
@@ -77,9 +78,9 @@ DISPATCHERS = ("auto", "all_to_all", "deep_ep")
 # ---------------------------------------------------------------------------------------
 
 
-def shard_experts_(model: nn.Module, ep_group: dist.ProcessGroup | None = None, *,
+def shard_experts_(model: CausalLM, ep_group: dist.ProcessGroup | None = None, *,
                    dispatcher: str = "auto") -> list[str]:
-    """Shard every ``Experts`` module of ``model.parallel_plan()["experts"]`` over ``ep_group``,
+    """Shard every ``Experts`` module of ``model.parallel_plan().experts`` over ``ep_group``,
     in place; returns those module names (a ``Shard("experts", "ep", modules=...)``).
 
     Each module keeps experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` in its parameters
@@ -96,7 +97,7 @@ def shard_experts_(model: nn.Module, ep_group: dist.ProcessGroup | None = None, 
     if dispatcher not in DISPATCHERS:
         raise PrimerlError(f"expert-parallel dispatcher must be one of {', '.join(DISPATCHERS)}, got {dispatcher!r}")
     ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    names = list(model.parallel_plan()["experts"])
+    names = list(model.parallel_plan().experts)
     modules = [model.get_submodule(name) for name in names]
     for name, module in zip(names, modules):  # check all before changing any
         if not isinstance(module, Experts):
@@ -403,12 +404,11 @@ def gather_experts(module: nn.Module, ep_group: dist.ProcessGroup | None = None,
     are first all-gathered over their own mesh (every rank of that mesh must call too).
     A module that is not expert-parallel gives its own tensors on ``dst``."""
     rank = dist.get_rank(ep_group)
-    names = getattr(module, "ep_sharded", None)
-    if not isinstance(module, ExpertParallelMixin) or names is None:
+    if not isinstance(module, ExpertParallelMixin):
         return {n: p.detach() for n, p in module.named_parameters(recurse=False)} if rank == dst else {}
     ep = dist.get_world_size(ep_group)
     full: dict[str, Tensor] = {}
-    for name in names:
+    for name in module.ep_sharded:
         local = _full_local(getattr(module, name)).detach().contiguous()  # [E/ep, ...]
         parts = [torch.empty_like(local) for _ in range(ep)] if rank == dst else None
         dist.gather(local, parts, dst=_global_rank(ep_group, dst), group=ep_group)

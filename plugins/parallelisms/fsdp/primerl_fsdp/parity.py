@@ -65,11 +65,11 @@ def step_on_layout(model_name: str, parallel: dict[str, int], replay: bool = Fal
     model = adapter.build(ModelConfig(name=model_name, preset="tiny", dtype="float32", seed=7)).train()
     layout_replay = None
     if replay:
-        moe = model.parallel_plan()["experts"]
+        moe = model.parallel_plan().experts
         if moe:
             n_experts = model.get_submodule(moe[0]).down_proj.shape[0]
             layout_replay = (len(moe), model.config.num_experts_per_tok, n_experts)
-    batch = samples(model.config.vocab_size, replay=layout_replay)
+    batch = samples(model.vocab_size, replay=layout_replay)
     strategy = load_parallelism(cfg.trainer.resolved_parallelism())
     settings = cfg.trainer.parallel.resolved(world_size())
     with device_mesh(strategy.mesh_shape(world_size(), settings)) as mesh:

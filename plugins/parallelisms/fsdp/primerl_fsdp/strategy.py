@@ -10,7 +10,7 @@ group and then an FSDP group:
   share of their tokens (:mod:`.context_parallel`);
 * **parameters** (FSDP2 ``fully_shard``): sharded over ``dp_shard x cp`` flattened (HSDP:
   replicated over ``dp_replicate``), one unit per decoder layer, the embeddings and the
-  head (the model's ``parallel_plan()["fsdp_units"]``), then the root;
+  head (the model's ``parallel_plan().fsdp_units``), then the root;
 * **experts** (expert parallel, :mod:`.expert_parallel`): carved out of ``dp_shard x cp``
   as torchtitan does: the world is also viewed as ``dp_replicate x efsdp x ep`` with
   ``efsdp = dp_shard x cp / ep``; ``ep`` consecutive ranks split each MoE layer's routed
@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from primerl.config import ParallelConfig
 from primerl.errors import PrimerlError
+from primerl.models.contract import CausalLM
 from primerl.parallel import ROOT_UNIT, Parallelized, ParallelLayout, Shard, unit_of
 
 
@@ -68,9 +69,15 @@ class FSDP:
         self.settings = s = settings.resolved(world_size)  # a ConfigError names the keys
         return {"dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "cp": s.cp}
 
-    def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh,
+    def parallelize(self, model: CausalLM, mesh: DeviceMesh,
                     build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> Parallelized:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         s = self.settings
         if s is None:
@@ -119,17 +126,16 @@ class FSDP:
 
         if device.type == "cuda":  # routers decide in float32 (near-tied experts flip in bf16): own units
             fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-            for name in plan["routers"]:
+            for name in plan.routers:
                 fully_shard(model.get_submodule(name), mesh=fsdp_mesh, mp_policy=fp32, offload_policy=offload)
-        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-        head_units = ("lm_head", plan["fsdp_units"][-2]) if tied else ()  # a tied pair stays with the root
-        self.units = (*plan["fsdp_units"], ROOT_UNIT)
-        for unit in plan["fsdp_units"]:
+        head_units = (plan.head, plan.embeddings) if plan.tied_embeddings else ()  # a tied pair stays with the root
+        self.units = (*plan.fsdp_units, ROOT_UNIT)
+        for unit in plan.fsdp_units:
             if unit not in head_units:
                 fully_shard(model.get_submodule(unit), mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload)
         for module in model.modules():
-            if hasattr(module, "set_gradient_divide_factor") and hasattr(module, "set_force_sum_reduction_for_comms"):
+            if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
         layout = ParallelLayout(strategy=self.name, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
@@ -203,7 +209,7 @@ class FSDP:
         publisher = dist.get_rank() == 0
         state = model.state_dict()
         expert_owner = {f"{m}.{n}": m for m in self.expert_modules
-                        for n in getattr(model.get_submodule(m), "ep_sharded", ())}
+                        for n in model.get_submodule(m).ep_sharded}
         by_unit: dict[str, list[str]] = {unit: [] for unit in self.units}
         for name in state:
             by_unit[unit_of(name, self.units)].append(name)

@@ -1,10 +1,10 @@
 """``single``: the whole model in one process, on a 1-rank mesh; nothing is sharded.
 
 What it does: nothing to the model, builds the optimizer over it, and reports a layout
-with one publishing unit per ``parallel_plan()["fsdp_units"]`` entry (each decoder layer,
-the embeddings, the head) plus the root unit for the rest, so that publishing walks the
-weights in the same units a sharded strategy would gather. A model without
-``parallel_plan()`` is one root unit.
+with one publishing unit per ``parallel_plan().fsdp_units`` entry (each decoder layer,
+the embeddings, the head: the model contract, :class:`primerl.models.contract.CausalLM`)
+plus the root unit for the rest, so that publishing walks the weights in the same units
+a sharded strategy would gather.
 
 Why it is a plugin like the others: the trainer reaches every strategy through the same
 ``primerl.parallel.Parallelism`` contract, so FSDP2 or expert parallel slot in beside it.
@@ -21,13 +21,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from primerl.config import ParallelConfig
 from primerl.errors import PrimerlError
+from primerl.models.contract import CausalLM
 from primerl.parallel import ROOT_UNIT, Parallelized, ParallelLayout, unit_of
 
 
-def publishing_units(model: torch.nn.Module) -> tuple[str, ...]:
-    """``parallel_plan()["fsdp_units"]`` (layers, embeddings, head), then the root unit."""
-    plan = model.parallel_plan() if hasattr(model, "parallel_plan") else {}
-    return (*plan.get("fsdp_units", ()), ROOT_UNIT)
+def publishing_units(model: CausalLM) -> tuple[str, ...]:
+    """``parallel_plan().fsdp_units`` (layers, embeddings, head), then the root unit."""
+    return (*model.parallel_plan().fsdp_units, ROOT_UNIT)
 
 
 class Single:

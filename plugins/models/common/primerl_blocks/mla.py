@@ -29,7 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from primerl.models.batch import Batch
-from primerl.models.layers import RMSNorm, derived, keeps_derived, rope_halves, rope_interleaved
+from primerl.models.contract import Mixer
+from primerl.models.tensors import derived, keeps_derived
+from primerl_blocks.layers import RMSNorm, rope_halves, rope_interleaved
+
+__all__ = ["MLAttention", "mla_cache_layout"]
 
 
 def mla_cache_layout(config: Any) -> dict[str, tuple[int, ...]]:
@@ -48,6 +52,8 @@ class MLAttention(nn.Module):
     HF's ``rope_interleave`` (False rotates halves, Llama style).
     """
 
+    mixer_kind = Mixer.MLA  # a subclass restricting keys by select (DSA) declares Mixer.MLA_DSA
+
     def __init__(self, config: Any, layer_idx: int, *, scaling: float | None = None,
                  interleave: bool = True) -> None:
         super().__init__()
@@ -57,7 +63,8 @@ class MLAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora_rank = c.kv_lora_rank
         qk_head_dim = self.nope_dim + self.rope_dim
-        if c.q_lora_rank is None:
+        self.q_lora = c.q_lora_rank is not None  # queries through a low-rank q_a_proj -> q_b_proj
+        if not self.q_lora:
             self.q_proj = nn.Linear(c.hidden_size, self.n_heads * qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
@@ -69,6 +76,10 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.scaling = qk_head_dim**-0.5 if scaling is None else scaling
         self.interleave = interleave
+
+    def _query_proj(self) -> nn.Module:
+        """The projection that outputs the per-head queries (``q_b_proj`` after the low rank)."""
+        return self.q_b_proj if self.q_lora else self.q_proj
 
     def select(self, x: Tensor, q_latent: Tensor | None, batch: Batch, carry: Any) -> tuple[Tensor, Any]:
         """Which keys each query may attend to: ([B, S, T] bool, carry for the next layer)."""
@@ -82,7 +93,7 @@ class MLAttention(nn.Module):
         decode = batch.cache is not None and S == 1 and type(self.kv_b_proj) is nn.Linear
         if self._fold_cheaper(B * S, batch, decode=decode):
             return self._folded(x, batch, carry)
-        if hasattr(self, "q_proj"):
+        if not self.q_lora:
             q_latent, q = None, self.q_proj(x)
             kv = self.kv_a_proj_with_mqa(x)
         else:
@@ -124,7 +135,7 @@ class MLAttention(nn.Module):
         queries (padding included) over this batch's keys, and applies: the three
         projections it folds are plain ``nn.Linear`` (FP8 training and LoRA swap in their own
         linears, which must keep running their own computations)."""
-        q_proj = getattr(self, "q_proj", None) or self.q_b_proj
+        q_proj = self._query_proj()
         if not all(type(m) is nn.Linear for m in (q_proj, self.kv_b_proj, self.o_proj)):
             return False
         r, nope, rope, v = self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim
@@ -147,7 +158,7 @@ class MLAttention(nn.Module):
         ``o_proj_h' = W_o_h W_uv_h`` ([hidden, H * kv_lora]). With autograd on they are
         rebuilt every forward (gradients reach the three weights), else kept (``derived``)."""
         H, nope, rope, v = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
-        q = getattr(self, "q_proj", None) or self.q_b_proj
+        q = self._query_proj()
         wq, wb, wo = q.weight, self.kv_b_proj.weight, self.o_proj.weight
 
         def build() -> tuple[Tensor, Tensor]:
@@ -175,7 +186,7 @@ class MLAttention(nn.Module):
         B, S, _ = x.shape
         H, r, rope = self.n_heads, self.kv_lora_rank, self.rope_dim
         wq_f, wo_f = self._folded_weights()
-        if hasattr(self, "q_proj"):
+        if not self.q_lora:
             q_latent, q_in, kv = None, x, self.kv_a_proj_with_mqa(x)
         else:
             q_latent, kv = self._down_projections(x)  # [B, S, q_lora], [B, S, kv_lora + rope]

@@ -34,6 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from primerl.models.batch import Batch
+from primerl.models.contract import Mixer
+
+__all__ = ["GatedRMSNorm", "Mamba2Mixer", "mamba2_state_layout"]
 
 
 class GatedRMSNorm(nn.Module):
@@ -63,6 +66,11 @@ def mamba2_state_layout(config: Any) -> dict[str, tuple[tuple[int, ...], torch.d
 
 
 class Mamba2Mixer(nn.Module):
+    """``forward(u [B, S, hidden], batch) -> [B, S, hidden]``: the scan above, per slot state in
+    ``batch.cache`` (see the module docstring)."""
+
+    mixer_kind = Mixer.MAMBA2
+
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
         c = config

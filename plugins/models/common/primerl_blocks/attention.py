@@ -20,7 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from primerl.models.batch import Batch
-from primerl.models.layers import RMSNorm, rope_halves
+from primerl.models.contract import Mixer
+from primerl_blocks.layers import RMSNorm, rope_halves
+
+__all__ = ["GQAttention", "gqa_cache_layout"]
 
 
 def gqa_cache_layout(kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
@@ -32,6 +35,8 @@ class GQAttention(nn.Module):
     from ``batch.extra["cos"/"sin"]`` ([B, S, rotary_dim/2]) when ``rope`` is True.
     ``qk_norm_eps`` adds the q/k RMSNorms, over each head (``qk_norm="head"``) or over the
     whole projection (``"layer"``)."""
+
+    mixer_kind = Mixer.GQA
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, layer_idx: int, *,
                  rope: bool = True, qk_norm_eps: float | None = None, qk_norm: str = "head",
@@ -50,7 +55,8 @@ class GQAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
-        if qk_norm_eps is not None:
+        self.qk_normed = qk_norm_eps is not None
+        if self.qk_normed:
             self.q_norm = RMSNorm(heads * head_dim if qk_norm == "layer" else head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(kv_heads * head_dim if qk_norm == "layer" else head_dim, qk_norm_eps)
         self.scaling = head_dim**-0.5
@@ -60,7 +66,7 @@ class GQAttention(nn.Module):
         B, S, _ = x.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         q, k = self.q_proj(x), self.k_proj(x)  # [B, S, H*D], [B, S, KV*D]
-        normed = hasattr(self, "q_norm")
+        normed = self.qk_normed
         if normed and self.qk_norm_over_layer:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.view(B, S, H, D), k.view(B, S, KV, D)
