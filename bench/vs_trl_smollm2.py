@@ -6,8 +6,9 @@ converted once into an HF folder that TRL loads with transformers and primerl wi
 eval split's words never appear in a train task), reward the LCS ratio; 32 samples a step
 (4 prompts x 8), at most 24 new tokens, temperature 1, learning rate 1e-5 constant, AdamW
 (0.9, 0.999), gradient clipping at 1, no KL term, no SFT: the settings of
-``examples/smollm2-reverse-text.toml`` (reverse-text's pretrained run defaults), which TRL's
-``GRPOTrainer`` is given too. Each keeps its own loss (TRL's default ``dapo``, primerl's
+``examples/smollm2-reverse-text.toml`` (reverse-text's pretrained run defaults) at TRL's batch
+(the example's 64 samples a step set to 32, its in-run eval off), which TRL's ``GRPOTrainer``
+is given too. Each keeps its own loss (TRL's default ``dapo``, primerl's
 ``default``) and advantage (both the group's reward over its std).
 
 * TRL runs ``--steps`` steps on the CPU (HF ``generate``, then one optimizer step,
@@ -67,7 +68,8 @@ def primerl_side(out: Path, steps: int, every: int) -> list[dict]:
     t0 = time.time()
     cmd = [sys.executable, "-m", "primerl.cli", "run", "@", str(EXAMPLE), "--output-dir", str(out),
            "--max-steps", str(steps), "--trainer.checkpoint_every", str(every), "--trainer.keep_checkpoints", "0",
-           "--inference.port", "0"]
+           "--orchestrator.batch_size", str(SAMPLES_PER_STEP), "--orchestrator.group_size", str(GROUP),
+           "--orchestrator.eval_every", "0", "--inference.port", "0"]
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=7200)
     if done.returncode != 0:
         raise SystemExit(f"primerl run failed (exit {done.returncode}); see {out / 'logs'}")

@@ -56,6 +56,15 @@ def test_eval_scores_a_preset_with_json_lines_and_a_summary(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_split_smaller_than_tasks_is_scored_whole_and_said():
+    r = primerl("eval", "--model", "glm5", "--env", "reverse-text", "--env.num_eval", "3", "--tasks", "5",
+                "--max-tokens", "4", "--json", "--inference.port", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout.splitlines()[-1])["n"] == 3
+    assert "has 3 tasks, fewer than --tasks 5" in r.stderr
+
+
+@pytest.mark.slow
 def test_eval_of_a_run_scores_its_checkpoint(tmp_path):
     """``--run OUT`` takes the run's config and its newest checkpoint's weights; a step it
     does not hold, or a directory that is not a run, is one line."""

@@ -192,6 +192,9 @@ def evaluate(cfg: RunConfig, request: EvalRequest, *, on_task: Callable[[TaskSco
         raise PrimerlError(f"--split {request.split!r}: {exc}") from None
     if not tasks:
         raise PrimerlError(f"environment '{cfg.env.name}' has no {request.split!r} tasks")
+    if len(tasks) < request.tasks:  # scored as asked would read as n tasks: say the split is smaller
+        say(f"note: the {request.split} split of {cfg.env.name} has {len(tasks)} tasks, fewer than --tasks "
+            f"{request.tasks}; all {len(tasks)} are scored (an env with num_eval sets its size: --env.num_eval)")
     scratch = Path(tempfile.mkdtemp(prefix="primerl-eval-"))
     server = None if cfg.inference.urls else Server(cfg, scratch)
     ok = False
