@@ -1,5 +1,6 @@
 """The watchdog's parts on hand-made beacons: what a stall is, and which stage it names."""
 
+import socket
 import time
 
 from primerl import watchdog
@@ -54,7 +55,8 @@ def test_a_stall_is_reported_once_progress_stops_and_busy_work_is_progress(tmp_p
     watchdog.start("orchestrator", run, Cfg)
     watchdog.doing("loading", busy=True)
     watchdog._beacon.write()
-    dog = Watchdog(Cfg, run, names=lambda role: role, logs=lambda name: run.logs / f"{name}.log", urls=lambda: [])
+    dog = Watchdog(Cfg, run, names=lambda record: record.role, logs=lambda name: run.logs / f"{name}.log",
+                   urls=lambda: [])
     assert dog.check() is None
     time.sleep(0.4)
     assert dog.check() is None  # busy: working, not stuck
@@ -72,8 +74,9 @@ def test_a_stall_is_reported_once_progress_stops_and_busy_work_is_progress(tmp_p
 
 
 def test_a_watchdog_on_another_machine_asks_for_stacks_through_the_run_directory(tmp_path, monkeypatch):
-    """The Slurm launcher's case: no /proc and no signals across machines; the beacons
-    answer a request file with their stacks, and a beacon that stopped writing is named."""
+    """A Slurm job's case: a beacon written on another node (its host is not the watchdog's)
+    gets no /proc look and no signal; it answers a request file with its stacks, and the
+    report names its host."""
     class Cfg:
         class watchdog:
             stall_timeout_s = 0.2
@@ -85,7 +88,8 @@ def test_a_watchdog_on_another_machine_asks_for_stacks_through_the_run_directory
     monkeypatch.setattr(watchdog, "_beacon", None)
     watchdog.start("trainer-0", run, Cfg)
     watchdog.doing("step 3 of 10")
-    dog = Watchdog(Cfg, run, names=lambda role: role, logs=None, urls=lambda: [])
+    dog = Watchdog(Cfg, run, names=lambda record: record.role, logs=lambda name: run.logs / f"{name}.log",
+                   urls=lambda: [], here="another-node")
     with watchdog.waiting("batch", "batch 3 from the orchestrator"):
         watchdog._beacon.write()
         assert dog.check() is None
@@ -94,4 +98,5 @@ def test_a_watchdog_on_another_machine_asks_for_stacks_through_the_run_directory
     assert stall.stage.startswith("the trainer waits") and "batch 3 from the orchestrator" in stall.stage
     report = stall.report.read_text()
     assert "state unknown (another machine)" in report
+    assert f"on {socket.gethostname()}," in report  # the beacon's own host
     assert "stacks:" in report and "in _loop" in report  # the beacon's own thread, from its .stacks file

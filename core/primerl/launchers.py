@@ -3,16 +3,20 @@
 A launcher (``register_launchers``, selected by ``launcher.name``) starts the processes of
 a run — ``primerl inference``, ``primerl orchestrator``, ``primerl trainer``, each reading
 the run directory's ``config.toml`` — wherever they belong: as local processes (the
-``local`` launcher), or as jobs of a cluster scheduler. It owns their lifetime: it follows
-them, shows progress, stops all of them when one fails or the user interrupts, and leaves
-no orphans. Everything a run produces lands in the run directory
+``local`` launcher), or as steps of a cluster scheduler's job. It decides where each one
+runs and how it is started; following them (restarts, stalls, failures, stopping all of
+them and leaving no orphans) is the one supervisor's (:mod:`primerl.supervisor`), which
+every launcher runs. Everything a run produces lands in the run directory
 (:class:`primerl.rundir.RunDir`), so a launcher needs no channel of its own to the
-processes.
+processes. The helpers below name and build the processes' commands the same way for
+every launcher.
 """
 
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -46,7 +50,8 @@ class Launcher(Protocol):
         A user error found before anything starts raises :class:`primerl.errors.PrimerlError`."""
 
 
-__all__ = ["Launcher"]
+__all__ = ["Launcher", "LauncherCapabilities", "inference_names", "inference_roles", "process_command",
+           "pick_ports"]
 
 
 # -- what launchers share ------------------------------------------------------------------
@@ -76,3 +81,39 @@ def pick_ports(host: str, first: int, n: int) -> list[int]:
             port = _free_port(host)
         ports.append(port)
     return ports
+
+
+def inference_names(cfg: RunConfig) -> list[str]:
+    """The inference servers' process names (and log names): ``inference``, or
+    ``inference-<i>`` for each of ``inference.replicas`` > 1; with prefill/decode,
+    ``inference-prefill-<i>`` then ``inference-decode-<j>``."""
+    inf = cfg.inference
+    if inf.disaggregated():
+        return ([f"inference-prefill-{i}" for i in range(inf.prefill_replicas)]
+                + [f"inference-decode-{j}" for j in range(inf.decode_replicas)])
+    n = inf.replicas
+    return ["inference"] if n == 1 else [f"inference-{i}" for i in range(n)]
+
+
+def inference_roles(cfg: RunConfig) -> list[str | None]:
+    """Each inference server's ``--inference.role`` (None: a whole-request server), in
+    :func:`inference_names`' order."""
+    inf = cfg.inference
+    if inf.disaggregated():
+        return ["prefill"] * inf.prefill_replicas + ["decode"] * inf.decode_replicas
+    return [None] * len(inference_names(cfg))
+
+
+def process_command(kind: str, config: Path, *, python: str = sys.executable, port: int | None = None,
+                    role: str | None = None, host: str | None = None) -> list[str]:
+    """``python -m primerl.cli <kind> @ config.toml``; an inference server's ``--inference.host``,
+    ``--inference.port`` and (prefill/decode) ``--inference.role`` after it. The trainer's
+    ranks wrap it in torchrun (each launcher knows its rendezvous)."""
+    cmd = [python, "-m", "primerl.cli", kind, "@", str(config)]
+    if host is not None:
+        cmd += ["--inference.host", host]
+    if port is not None:
+        cmd += ["--inference.port", str(port)]
+    if role is not None:
+        cmd += ["--inference.role", role]
+    return cmd

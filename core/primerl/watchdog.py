@@ -1,5 +1,5 @@
 """A run that makes no progress says where it is stuck: beacons in every process, a watchdog
-in the launcher.
+in the run's supervisor (:mod:`primerl.supervisor`).
 
 Why: the field's most reported failure is the run that hangs silently, accelerators idle
 and no error (an inference server that stopped answering, a tool call that never returns,
@@ -11,12 +11,14 @@ the process that waits, and nowhere else.
   beacon reads, such as the engine's generated tokens), says what it does (:func:`doing`)
   and records every wait in flight (``with waiting(kind, detail):``, a dict insert and
   delete: cheap enough for every request). A daemon thread writes it all once a second to
-  ``OUT/progress/<role>-<pid>.json`` (:class:`BeaconRecord`), and SIGUSR1 makes the
-  process dump every thread's Python stack (:mod:`faulthandler`) into its log.
-* **The watchdog** (:class:`Watchdog`, the launcher's loop calls :meth:`Watchdog.check`):
+  ``OUT/progress/<role>-<host>-<pid>.json`` (:class:`BeaconRecord`, naming its machine), and
+  SIGUSR1 makes the process dump every thread's Python stack (:mod:`faulthandler`) into its
+  log.
+* **The watchdog** (:class:`Watchdog`, the supervisor's loop calls :meth:`Watchdog.check`):
   when the progress summed over every beacon has not moved for
-  ``watchdog.stall_timeout_s``, it asks every live process for its stacks, writes each
-  one's state (``/proc``: running, sleeping, stopped), what it does, its waits with their
+  ``watchdog.stall_timeout_s``, it asks every live process for its stacks (on another node:
+  through the run directory), writes each one's state (``/proc`` for a process on this
+  machine: running, sleeping, stopped), what it does, its waits with their
   ages and its stacks to ``logs/watchdog.log``, and names the stuck stage in one line
   (:func:`diagnose`): a stopped process, an env worker inside a call, inference not
   answering, a weight update not acknowledged, the trainer waiting for a batch.
@@ -34,6 +36,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,7 +64,7 @@ class Wait:
 
 @attrs.frozen
 class BeaconRecord:
-    """What one process last said about itself (``OUT/progress/<role>-<pid>.json``)."""
+    """What one process last said about itself (``OUT/progress/<role>-<host>-<pid>.json``)."""
 
     role: str  # "orchestrator", "trainer-0" (rank), "inference:8000" (port)
     pid: int
@@ -72,6 +75,7 @@ class BeaconRecord:
     busy: bool  # doing counts as progress (a model loading)
     waits: tuple[Wait, ...]
     children: tuple[int, ...]  # pids that also dump their stacks on SIGUSR1 (env workers)
+    host: str = ""  # the machine it runs on (socket.gethostname()); "" in a record from before hosts were kept
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
@@ -86,7 +90,8 @@ class Beacon:
     """A process's progress, doing and waits, written once a second by a daemon thread."""
 
     def __init__(self, role: str, directory: Path) -> None:
-        self.role, self.path = role, directory / f"{role}-{os.getpid()}.json"
+        self.host = socket.gethostname()
+        self.role, self.path = role, directory / f"{beacon_stem(role, self.host, os.getpid())}.json"
         directory.mkdir(parents=True, exist_ok=True)
         self.count = 0
         self.progress_sources: list[Callable[[], int]] = []
@@ -111,7 +116,7 @@ class Beacon:
                 children += source()
         return BeaconRecord(role=self.role, pid=os.getpid(), time=time.time(), progress=progress, doing=self.doing,
                             doing_since=self.doing_since, busy=self.busy, waits=tuple(list(self.waits.values())),
-                            children=tuple(children))
+                            children=tuple(children), host=self.host)
 
     def write(self) -> None:
         tmp = self.path.with_suffix(f".{threading.get_ident()}.tmp")
@@ -125,7 +130,7 @@ class Beacon:
             return 0.0
 
     def dump_stacks(self) -> None:
-        """Every thread's stack to ``<role>-<pid>.stacks`` (a watchdog on another machine
+        """Every thread's stack to ``<role>-<host>-<pid>.stacks`` (a watchdog on another machine
         asked: it cannot signal this process), and SIGUSR1 to the children that dump theirs."""
         with open(self.path.with_suffix(".stacks"), "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
@@ -146,6 +151,12 @@ class Beacon:
 
 
 _beacon: Beacon | None = None
+
+
+def beacon_stem(role: str, host: str, pid: int) -> str:
+    """The name of a beacon's files under ``progress/`` without their suffix (``.json``,
+    ``.stacks``): the host too, since processes on two nodes may share a role and a pid."""
+    return f"{role}-{host.split('.')[0]}-{pid}" if host else f"{role}-{pid}"
 
 
 def start(role: str, run_dir: Any, cfg: Any) -> None:
@@ -291,22 +302,33 @@ class Stall:
     report: Path  # logs/watchdog.log
 
 
-class Watchdog:
-    """Watches a run's beacons from its launcher. ``names`` maps a beacon's role to the
-    launcher's name of its process; ``logs`` a name to its log file; ``urls`` the
-    inference servers (their ``/health`` is asked on a stall)."""
+def same_host(a: str, b: str) -> bool:
+    """Whether two hostnames name one machine (``node7`` and ``node7.cluster.local`` do)."""
+    return a.split(".")[0] == b.split(".")[0]
 
-    def __init__(self, cfg: Any, run_dir: Any, names: Callable[[str], str], logs: Callable[[str], Path] | None,
-                 urls: Callable[[], list[str]]) -> None:
-        """``logs`` None: the processes run on other machines (a Slurm job): no ``/proc`` and
-        no signals; each beacon is asked through the run directory for its stacks."""
-        self.remote = logs is None
+
+class Watchdog:
+    """Watches a run's beacons from its supervisor. ``names`` maps a beacon to the name of its
+    process; ``logs`` a name to its log file; ``urls`` the inference servers (their
+    ``/health`` is asked on a stall); ``here`` this machine's hostname.
+
+    A process on this machine (its beacon's host is ``here``) is seen through ``/proc`` and
+    asked for its stacks with SIGUSR1 (they land in its log); one on another node (a Slurm
+    job's) cannot be: its state is unknown here and it is asked through the run directory
+    (``progress/stacks.request``; each beacon answers with a ``.stacks`` file beside it)."""
+
+    def __init__(self, cfg: Any, run_dir: Any, names: Callable[[BeaconRecord], str], logs: Callable[[str], Path],
+                 urls: Callable[[], list[str]], here: str | None = None) -> None:
         self.timeout = cfg.watchdog.stall_timeout_s
         self.directory = run_dir.root / PROGRESS_DIR
         self.report_path = run_dir.logs / "watchdog.log"
         self.names, self.logs, self.urls = names, logs, urls
-        self.progress: dict[tuple[str, int], int] = {}
+        self.here = here if here is not None else socket.gethostname()
+        self.progress: dict[tuple[str, str, int], int] = {}
         self.last_progress = time.monotonic()
+
+    def local(self, record: BeaconRecord) -> bool:
+        return not record.host or same_host(record.host, self.here)
 
     def check(self) -> Stall | None:
         """None while the run progresses; a :class:`Stall` (reported) once it has not for
@@ -316,7 +338,7 @@ class Watchdog:
         records = read_beacons(self.directory)
         moved = False
         for r in records:
-            key = (r.role, r.pid)
+            key = (r.host, r.role, r.pid)
             if self.progress.get(key) != r.progress or (r.busy and time.time() - r.time < STALE_S):
                 moved = True
             self.progress[key] = r.progress
@@ -329,14 +351,20 @@ class Watchdog:
         self.last_progress = now  # the next report, if any, after as long again
         return self.report(records)
 
-    def report(self, records: list[BeaconRecord]) -> Stall:
+    def _seen(self, records: list[BeaconRecord]) -> list[Seen]:
+        """The processes to report: every remote one (its last record, state unknown) and the
+        local ones still alive, with their ``/proc`` state."""
+        seen = []
+        for r in records:
+            if not self.local(r):
+                seen.append(Seen(r, None, self.names(r)))
+            elif (state := process_state(r.pid)) not in (None, "Z"):
+                seen.append(Seen(r, state, self.names(r)))
+        return seen
+
+    def _health(self) -> dict[str, str | None]:
         import httpx
 
-        if self.remote:  # the last record of each process; its state unknown here
-            seen = [Seen(r, None, self.names(r.role)) for r in records]
-        else:
-            live = [r for r in records if (st := process_state(r.pid)) is not None and st != "Z"]
-            seen = [Seen(r, process_state(r.pid), self.names(r.role)) for r in live]
         health: dict[str, str | None] = {}
         for url in self.urls():
             try:
@@ -344,39 +372,38 @@ class Watchdog:
                 health[url] = None if code == 200 else f"/health answered {code}"
             except httpx.HTTPError as exc:
                 health[url] = f"/health: {type(exc).__name__}"
+        return health
+
+    def _ask_for_stacks(self, seen: list[Seen]) -> dict[Path, int]:
+        """SIGUSR1 to every live local process that dumps its stacks (a stopped one cannot),
+        a request through the run directory for the others; the local logs' sizes before."""
+        sizes: dict[Path, int] = {}
+        if any(s.state is None for s in seen):
+            (self.directory / STACKS_REQUEST).touch()
+        for s in seen:
+            if s.state is None:
+                continue
+            log = self.logs(s.name)
+            sizes.setdefault(log, log.stat().st_size if log.exists() else 0)
+            for pid in (s.record.pid, *s.record.children):
+                if process_state(pid) not in (None, "Z", "T", "t"):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGUSR1)
+        time.sleep(STACKS_WAIT_S + (WRITE_EVERY_S if any(s.state is None for s in seen) else 0.0))
+        return sizes
+
+    def report(self, records: list[BeaconRecord]) -> Stall:
+        seen = self._seen(records)
+        health = self._health()
         now = time.time()
         stage = diagnose(seen, health, now)
-        # the stacks: SIGUSR1 to every live process that dumps them (a stopped one cannot); on
-        # other machines, a request every beacon answers with a .stacks file
-        sizes = {}
-        if self.remote:
-            (self.directory / STACKS_REQUEST).touch()
-        else:
-            for s in seen:
-                log = self.logs(s.name)
-                sizes.setdefault(log, log.stat().st_size if log.exists() else 0)
-                for pid in (s.record.pid, *s.record.children):
-                    if process_state(pid) not in (None, "Z", "T", "t"):
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.kill(pid, signal.SIGUSR1)
-        time.sleep(STACKS_WAIT_S + (WRITE_EVERY_S if self.remote else 0.0))
+        sizes = self._ask_for_stacks(seen)
         lines = [f"watchdog: no progress for {self.timeout:.0f} s at {time.strftime('%Y-%m-%d %H:%M:%S')}",
                  f"stuck: {stage}", ""]
         for url, why in health.items():
             lines.append(f"inference {url}: {'answers /health' if why is None else why}")
         for s in seen:
-            r = s.record
-            lines += ["", f"== {s.name} (pid {r.pid}, {_state(s.state)}; last report "
-                          f"{_age(r.time, now)} ago)",
-                      f"doing: {r.doing} (for {_age(r.doing_since, now)})"]
-            lines += [f"waiting on {w.kind}: {w.detail} (for {_age(w.since, now)})" for w in r.waits[:20]]
-            if len(r.waits) > 20:
-                lines.append(f"... and {len(r.waits) - 20} more waits")
-            stacks = self.directory / f"{r.role}-{r.pid}.stacks"
-            if self.remote and stacks.exists() and stacks.stat().st_mtime >= now - STACKS_WAIT_S - WRITE_EVERY_S - 1:
-                lines += ["stacks:", stacks.read_text(errors="replace").rstrip()]
-            elif self.remote:
-                lines.append("stacks: none came (the process is stopped, or blocked outside Python)")
+            lines += self._process_lines(s, now)
         for log, size in sizes.items():
             try:
                 with open(log, errors="replace") as f:
@@ -390,3 +417,19 @@ class Watchdog:
         with open(self.report_path, "a") as f:
             f.write("\n".join(lines) + "\n\n")
         return Stall(stage=stage, report=self.report_path)
+
+    def _process_lines(self, s: Seen, now: float) -> list[str]:
+        r = s.record
+        where = f" on {r.host}" if r.host and not self.local(r) else ""
+        lines = ["", f"== {s.name} (pid {r.pid}{where}, {_state(s.state)}; last report {_age(r.time, now)} ago)",
+                 f"doing: {r.doing} (for {_age(r.doing_since, now)})"]
+        lines += [f"waiting on {w.kind}: {w.detail} (for {_age(w.since, now)})" for w in r.waits[:20]]
+        if len(r.waits) > 20:
+            lines.append(f"... and {len(r.waits) - 20} more waits")
+        if s.state is None:
+            stacks = self.directory / f"{beacon_stem(r.role, r.host, r.pid)}.stacks"
+            if stacks.exists() and stacks.stat().st_mtime >= now - 1:
+                lines += ["stacks:", stacks.read_text(errors="replace").rstrip()]
+            else:
+                lines.append("stacks: none came (the process is stopped, or blocked outside Python)")
+        return lines

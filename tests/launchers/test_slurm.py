@@ -35,24 +35,36 @@ def primerl(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
 # --------------------------------------------------------------------------------------
 
 
+def processes(out: Path) -> dict[str, tuple[str, str]]:
+    """``OUT/slurm/processes.txt``: each process's node and command, by name."""
+    lines = (out / "slurm" / "processes.txt").read_text().splitlines()
+    rows = [re.fullmatch(r"(\S+)\ton (\S+): (.*)", line) for line in lines if not line.startswith("#")]
+    return {m.group(1): (m.group(2), m.group(3)) for m in rows}
+
+
 def test_dry_run_writes_job_scripts_bash_accepts(tmp_path):
     out = tmp_path / "run"
     r = primerl("run", "--model", "glm5", "--env", "swe", "--launcher", "slurm", "--launcher.nodes", "28",
                 "--dry-run", "--output-dir", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "nothing submitted" in r.stdout
-    scripts = sorted((out / "slurm").iterdir())
-    names = {p.name for p in scripts}
-    assert {"primerl.sbatch", "inference.sh", "orchestrator.sh", "trainer.sh"} <= names
-    for p in scripts:
-        check = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True)
-        assert check.returncode == 0, f"{p}: {check.stderr}"
-    batch = (out / "slurm" / "primerl.sbatch").read_text()
-    assert "#SBATCH --nodes=28" in batch
+    assert {p.name for p in (out / "slurm").iterdir()} == {"primerl.sbatch", "processes.txt"}
+    batch = out / "slurm" / "primerl.sbatch"
+    check = subprocess.run(["bash", "-n", str(batch)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    text = batch.read_text()
+    assert "#SBATCH --nodes=28" in text and "#SBATCH --no-requeue" in text
+    # the batch script holds no policy: it runs the job's own process, which supervises
+    assert text.strip().splitlines()[-1] == f"exec {sys.executable} -m primerl_slurm.job {out}"
     # default split: 14 inference nodes (one server each), 14 trainer nodes under a c10d rendezvous
-    assert 'INFERENCE_HOSTS=("${HOSTS[@]:0:14}")' in batch and 'TRAINER_HOSTS=("${HOSTS[@]:14:14}")' in batch
-    trainer = (out / "slurm" / "trainer.sh").read_text()
+    procs = processes(out)
+    assert [procs[f"inference-{i}"][0] for i in range(14)] == [f"node{i}" for i in range(14)]
+    assert procs["orchestrator"][0] == "node0"
+    assert [procs[f"trainer-{k}"][0] for k in range(14)] == [f"node{14 + k}" for k in range(14)]
+    trainer = procs["trainer-3"][1]
     assert "--nnodes=14" in trainer and "--rdzv-backend=c10d" in trainer
+    assert "'--rdzv-endpoint=<address of node 14>:29500'" in trainer
+    assert "--inference.host 0.0.0.0 --inference.port 8000" in procs["inference-5"][1]
     config = (out / "config.toml").read_text()
     assert 'name = "slurm"' in config and "trainer_nodes = 14" in config and "dry_run = false" in config
     assert not list(out.glob("slurm/job-*"))  # nothing was submitted
@@ -76,10 +88,9 @@ def test_glm5_swe_example_resolves_to_its_layout(tmp_path):
     batch = (out / "slurm" / "primerl.sbatch").read_text()
     assert "#SBATCH --nodes=28" in batch and "#SBATCH --gpus-per-node=8" in batch
     assert "#SBATCH --time=7-00:00:00" in batch and "#SBATCH --job-name=glm5-swe" in batch
-    trainer = (out / "slurm" / "trainer.sh").read_text()
-    assert "--nnodes=16" in trainer and "--nproc-per-node=8" in trainer
-    for p in (out / "slurm").iterdir():
-        assert subprocess.run(["bash", "-n", str(p)]).returncode == 0, p
+    trainer = processes(out)["trainer-15"]
+    assert trainer[0] == "node27" and "--nnodes=16" in trainer[1] and "--nproc-per-node=8" in trainer[1]
+    assert subprocess.run(["bash", "-n", str(out / "slurm" / "primerl.sbatch")]).returncode == 0
     # and the trainer's layout fits an H200, as `primerl plan` counts it
     par = example["trainer"]["parallel"]
     plan = primerl("plan", "--model", "glm5", "--preset", "full", "--nodes", "16", "--gpus-per-node", "8",
@@ -107,18 +118,49 @@ def test_dry_run_places_prefill_decode_servers_and_the_mooncake_master(tmp_path)
                 "--inference.prefill_replicas", "2", "--inference.decode_replicas", "2",
                 "--inference.kv_store", "mooncake", "--dry-run", "--output-dir", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
-    batch = (out / "slurm" / "primerl.sbatch").read_text()
-    assert "JOB_SERVER_ROLES='prefill prefill decode decode'" in batch
-    # each pool's URLs and the master's addresses go into the run-time record, not the config
-    assert '"prefill_urls": [%s]\' "$(join "${URLS[@]:0:2}")"' in batch
-    assert '"decode_urls": [%s]\' "$(join "${URLS[@]:2}")"' in batch
-    assert 'KV_OPTIONS="\\"master\\": \\"$MOONCAKE_MASTER\\"' in batch and '> "$RUNTIME.tmp"' in batch
-    # the master starts first, the record is written once it serves, then the servers start
-    assert batch.index("launch mooncake") < batch.index('> "$RUNTIME.tmp"') < batch.index("launch inference")
-    assert "--rpc-port 50051" in (out / "slurm" / "mooncake.sh").read_text()
-    assert '--inference.role "${roles[$SLURM_PROCID]}"' in (out / "slurm" / "inference.sh").read_text()
-    for p in (out / "slurm").iterdir():
-        assert subprocess.run(["bash", "-n", str(p)]).returncode == 0, p
+    procs = processes(out)
+    # the master first, on the first node at its address; two servers a node, each pool's role
+    assert list(procs)[0] == "mooncake" and procs["mooncake"][0] == "node0"
+    assert "--host '<address of node 0>' --rpc-port 50051" in procs["mooncake"][1]
+    assert {name: procs[name][0] for name in procs if name.startswith("inference")} == {
+        "inference-prefill-0": "node0", "inference-prefill-1": "node0",
+        "inference-decode-0": "node1", "inference-decode-1": "node1"}
+    assert "--inference.port 8001 --inference.role decode" in procs["inference-decode-1"][1]
+    assert procs["trainer"][0] == "node2" and "torch.distributed.run" not in procs["trainer"][1]
+
+
+def test_the_job_places_each_layout_and_names_servers_by_address(tmp_path):
+    """primerl_slurm.job.place on three named nodes, for the two layouts of the multi-node
+    runs: the trainer on two nodes, or two inference nodes; the URLs and the rendezvous use
+    the nodes' addresses."""
+    from primerl_slurm.job import Node, place, server_urls, step, threads_of
+    from primerl_slurm.scripts import layout
+
+    from primerl.config import load_config, split_args
+    from primerl.rundir import RunDir
+
+    nodes = [Node(f"n{k}", f"10.0.0.{10 + k}") for k in range(3)]
+
+    def placed(*flags: str):
+        cfg = load_config(split_args(["--model.name", "glm5", "--env.name", "reverse-text", "--launcher.name", "slurm",
+                                      "--launcher.nodes", "3", *flags]))
+        lay = layout(cfg)
+        cfg.inference.replicas = lay.servers
+        return cfg, lay, place(cfg, RunDir(tmp_path), lay, nodes, [8000], python="py", job_id="7")
+
+    cfg, lay, procs = placed("--launcher.trainer_nodes", "2", "--trainer.parallelism", "fsdp")
+    assert [(p.name, p.node.name) for p in procs] == [("inference", "n0"), ("orchestrator", "n0"),
+                                                      ("trainer-0", "n1"), ("trainer-1", "n2")]
+    assert "--rdzv-endpoint=10.0.0.11:29500" in procs[2].command and "--rdzv-id=7" in procs[3].command
+    assert server_urls(cfg, lay, nodes, [8000]) == ["http://10.0.0.10:8000"]
+    cfg, lay, procs = placed("--launcher.inference_nodes", "2")
+    assert [(p.name, p.node.name) for p in procs] == [("inference-0", "n0"), ("inference-1", "n1"),
+                                                      ("orchestrator", "n0"), ("trainer", "n2")]
+    assert server_urls(cfg, lay, nodes, [8000]) == ["http://10.0.0.10:8000", "http://10.0.0.11:8000"]
+    assert step(procs[1], 8, tmp_path / "s.sh") == [
+        "srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=n1", "--cpus-per-task=8", "--kill-on-bad-exit=0",
+        "--input=none", "--job-name=inference-1", "--export=ALL", str(tmp_path / "s.sh")]
+    assert threads_of(procs[3], cfg, lay, cpus=8)["OMP_NUM_THREADS"] == "8"  # nodes of their own: all of it
 
 
 # --------------------------------------------------------------------------------------
@@ -292,7 +334,7 @@ def test_failing_role_fails_the_run_with_its_cause(slurm, tmp_path):
     r = primerl("run", "--model", "glm5", "--env", "reverse-text", "--launcher", "slurm", "--max-steps", "3",
                 "--output-dir", str(out), *SMALL, "--trainer.loss", "no_such_module:loss", env=slurm, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr  # the trainer's code (a config error) is the job's and the run's
-    assert "the trainer exited with code 2" in r.stderr and "no_such_module" in r.stderr
+    assert re.search(r"the trainer process on \S+ exited with code 2", r.stderr) and "no_such_module" in r.stderr
     assert "logs/trainer.log" in r.stderr
     job = _job_id(r.stdout)
     assert _queue(slurm, job) == ""
@@ -358,9 +400,8 @@ def test_a_lost_inference_server_is_started_again_inside_the_job(slurm, tmp_path
 
 @pytest.mark.slow
 def test_a_stalled_job_is_named_and_cancelled(slurm, tmp_path):
-    """The trainer stopped (SIGSTOP) inside the job: the launcher, which cannot see the job's
-    processes, reads their beacons from the run directory and names the one that stopped
-    reporting, then cancels the job (exit code 3)."""
+    """The trainer stopped (SIGSTOP) inside the job: the job's supervisor, on the node, reads
+    the beacons, names the stopped process and stops the job (exit code 3)."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
                              "--launcher", "slurm", "--max-steps", "1000", "--output-dir", str(out), *SMALL,
@@ -381,10 +422,10 @@ def test_a_stalled_job_is_named_and_cancelled(slurm, tmp_path):
             os.kill(beacon["pid"], signal.SIGCONT)
     assert proc.returncode == 3, stdout + stderr
     line = stderr.strip().splitlines()[-1]
-    assert "the run made no progress for 10 s: the trainer-0 process" in line and "stopped reporting" in line, line
-    assert "cancelled Slurm job" in line
+    assert "the run made no progress for 10 s: the trainer process" in line and "is stopped" in line, line
+    assert "stopped Slurm job" in line
     report = (out / "logs" / "watchdog.log").read_text()
-    assert "== orchestrator" in report and "stacks:" in report
+    assert "== orchestrator" in report and "stacks written to orchestrator.log after SIGUSR1" in report
     assert _queue(slurm, _job_id(stdout)) == ""
 
 
@@ -404,8 +445,14 @@ def test_trainer_threads_reach_the_trainer_locally_and_under_slurm(tmp_path):
                                                    "OMP_WAIT_POLICY": "PASSIVE"}
         assert child_env("inference", cfg, base)["OMP_WAIT_POLICY"] == "PASSIVE"
     assert child_env("inference", cfg, base)["OMP_NUM_THREADS"] == "1"
-    out = tmp_path / "run"
-    r = primerl("run", "--model", "glm5", "--env", "reverse-text", "--launcher", "slurm", "--trainer.threads", "4",
-                "--dry-run", "--output-dir", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "export OMP_NUM_THREADS=4 MKL_NUM_THREADS=4 OMP_WAIT_POLICY=PASSIVE" in (out / "slurm" / "trainer.sh").read_text()
+    from primerl_slurm.job import Node, place, threads_of
+    from primerl_slurm.scripts import layout
+
+    from primerl.rundir import RunDir
+
+    cfg = load_config(split_args(["--model.name", "glm5", "--env.name", "reverse-text", "--launcher.name", "slurm",
+                                  "--trainer.threads", "4", "--trainer.nproc", "2", "--trainer.parallelism", "fsdp"]))
+    lay = layout(cfg)
+    trainer = place(cfg, RunDir(tmp_path), lay, [Node("n0", "127.0.0.1")], [0], python="py")[-1]
+    assert threads_of(trainer, cfg, lay, cpus=16) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+                                                      "OMP_WAIT_POLICY": "PASSIVE"}  # 4 over its 2 ranks

@@ -32,15 +32,11 @@ directory for every server, the run's ``kv/``, through which prefill servers han
 KV to decode servers. The options it sets (the master's address, the folder) go into the
 run-time record too, and every server's store gets them.
 
-No orphans, whatever happens: each child runs in its own process group (so its own
-children go with it) and asks the kernel to SIGTERM it if the launcher dies. On Ctrl-C,
-SIGTERM or a crashing child we stop all children — SIGTERM, then SIGKILL after a grace
-period — and say why.
-
-Stalls: a run that makes no progress for ``watchdog.stall_timeout_s`` is reported by the
-:class:`primerl.watchdog.Watchdog` (every process's waits and stacks in
-``logs/watchdog.log``, the stuck stage in one line) and, with ``watchdog.on_stall =
-"exit"``, stopped with exit code 3.
+Following them is the one supervisor's (:class:`primerl.supervisor.Supervisor`, which the
+Slurm job runs too): restarts, stalls (``logs/watchdog.log``, exit code 3), a failing child,
+Ctrl-C or SIGTERM (every child stopped: SIGTERM, then SIGKILL after a grace period; each in
+its own process group, dying with the launcher: no orphans). This module places the
+children, shows the live view while they run, and says how the run ended.
 
 CPU threads: the processes share the machine, so each child gets a share of the cores
 (``OMP_NUM_THREADS``), which the trainer's ranks and the inference replicas split among
@@ -50,47 +46,21 @@ themselves; oversubscribed OpenMP threads spin and can make torch tens of times 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from primerl.children import own_group_and_die_with_parent
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
-from primerl.launchers import pick_ports
+from primerl.launchers import inference_names, inference_roles, pick_ports, process_command
 from primerl.resume import prepare_run
 from primerl.rundir import RunDir
 from primerl.runtime import RunTime
-from primerl.runview import summarize
-from primerl.watchdog import Watchdog, clear_beacons
+from primerl.runview import LiveView, summarize
+from primerl.supervisor import Child, Duty, Outcome, Supervisor, tail
 
 CHILDREN = ("inference", "orchestrator", "trainer")  # kinds of child; inference may be N replicas
-GRACE_SECONDS = 10.0
-STALLED = 3  # the exit code of a run the watchdog stopped
-
-
-def inference_names(cfg: RunConfig) -> list[str]:
-    """The inference children's names (and log names): ``inference``, or ``inference-<i>``
-    for each of ``inference.replicas`` > 1; with prefill/decode, ``inference-prefill-<i>``
-    then ``inference-decode-<j>``."""
-    inf = cfg.inference
-    if inf.disaggregated():
-        return ([f"inference-prefill-{i}" for i in range(inf.prefill_replicas)]
-                + [f"inference-decode-{j}" for j in range(inf.decode_replicas)])
-    n = inf.replicas
-    return ["inference"] if n == 1 else [f"inference-{i}" for i in range(n)]
-
-
-def inference_roles(cfg: RunConfig) -> list[str | None]:
-    """Each inference child's ``--inference.role`` (None: a whole-request server), in
-    :func:`inference_names`' order."""
-    inf = cfg.inference
-    if inf.disaggregated():
-        return ["prefill"] * inf.prefill_replicas + ["decode"] * inf.decode_replicas
-    return [None] * len(inference_names(cfg))
+DUTIES = {"inference": Duty.SERVES, "orchestrator": Duty.WORKS, "trainer": Duty.FINISHES}
 
 
 def run_time(cfg: RunConfig, ports: list[int], kv_store_options: dict[str, Any]) -> RunTime:
@@ -108,15 +78,11 @@ def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None =
     it, and ``--inference.role role`` for a prefill or decode server); a trainer of
     ``trainer.nproc`` > 1 ranks under torchrun (standalone: one node, its own rendezvous on a
     free port)."""
-    cmd = ["-m", "primerl.cli", name, "@", str(run_dir.config)]
-    if port is not None:
-        cmd += ["--inference.port", str(port)]
-    if role is not None:
-        cmd += ["--inference.role", role]
+    cmd = process_command(name, run_dir.config, port=port, role=role)
     if name == "trainer" and cfg.trainer.nproc > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={cfg.trainer.nproc}", *cmd]
-    return [sys.executable, *cmd]
+                f"--nproc-per-node={cfg.trainer.nproc}", *cmd[1:]]
+    return cmd
 
 
 def start_run_service(cfg: RunConfig, run_dir: RunDir) -> Any:
@@ -150,8 +116,36 @@ def child_env(name: str, cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 
-class Interrupted(Exception):
-    pass
+def children(cfg: RunConfig, run_dir: RunDir, ports: list[int]) -> list[Child]:
+    """The run's processes on this machine: the inference servers (each on its port), the
+    orchestrator and the trainer, each with its share of the cores."""
+    threads = os.environ.get("PRIMERL_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, "PYTHONUNBUFFERED": "1"}
+    placed = [(name, "inference", port, role)
+              for name, port, role in zip(inference_names(cfg), ports, inference_roles(cfg))]
+    placed += [(kind, kind, None, None) for kind in CHILDREN if kind != "inference"]
+    return [Child(name=name, duty=DUTIES[kind], command=tuple(child_command(kind, cfg, run_dir, port, role)),
+                  log=run_dir.log(name), env=child_env(kind, cfg, env),
+                  beacon=f"inference:{port}" if kind == "inference" else kind)
+            for name, kind, port, role in placed]
+
+
+class _View:
+    """The supervisor's reporter: the live view, and what ending means on this terminal."""
+
+    def __init__(self, view: LiveView) -> None:
+        self.view = view
+
+    def tick(self) -> None:
+        self.view.refresh()
+
+    def note(self, line: str) -> None:
+        self.view.note(line)
+
+    def stopping(self, outcome: Outcome) -> None:
+        self.view.stop()
+        if outcome.signal:
+            print(f"\n{outcome.signal}: stopping inference, orchestrator and trainer...", file=sys.stderr)
 
 
 class LocalLauncher:
@@ -159,7 +153,6 @@ class LocalLauncher:
 
     def launch(self, cfg: RunConfig) -> int:
         run_dir = RunDir(Path(cfg.output_dir).resolve())
-        out = run_dir.root
         # a finished run or another config is refused; an unfinished run continues from its
         # newest usable checkpoint, what came after it set aside (primerl.resume)
         for note in prepare_run(cfg).notes:
@@ -172,137 +165,36 @@ class LocalLauncher:
             raise PrimerlError(f"{key} ({port}) fixes a port of each inference server, which {len(names)} servers on "
                                f"this machine cannot share: leave it 0 (a free port each)")
         ports = pick_ports(cfg.inference.host, cfg.inference.port, len(names))
-        cfg.output_dir = str(out)
+        cfg.output_dir = str(run_dir.root)
         run_dir.config.write_text(dump_toml(to_dict(cfg)))
-
-        procs: dict[str, subprocess.Popen] = {}
-        threads = os.environ.get("PRIMERL_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
-        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, "PYTHONUNBUFFERED": "1"}
-
-        def on_signal(signum, _frame):
-            raise Interrupted(signal.Signals(signum).name)
-
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        from primerl.runview import LiveView
-
-        view = LiveView(cfg, run_dir)
         service = None
         try:
             service = start_run_service(cfg, run_dir)
             run_time(cfg, ports, service.options() if service is not None else {}).write(run_dir)
-            children = [(name, "inference", port, role)
-                        for name, port, role in zip(names, ports, inference_roles(cfg))]
-            children += [(kind, kind, None, None) for kind in CHILDREN if kind != "inference"]
-            spec = {name: (kind, port, role) for name, kind, port, role in children}
-
-            def start(name: str, mode: str = "w") -> None:
-                kind, port, role = spec[name]
-                log = open(run_dir.log(name), mode)  # noqa: SIM115 - the child keeps it as its stdout
-                procs[name] = subprocess.Popen(
-                    child_command(kind, cfg, run_dir, port, role), stdout=log, stderr=subprocess.STDOUT,
-                    env=child_env(kind, cfg, env), preexec_fn=own_group_and_die_with_parent,
-                    cwd=os.getcwd(),
-                )
-
-            clear_beacons(run_dir)
-            for name in spec:
-                start(name)
-            by_port = {f"inference:{port}": name for name, port in zip(names, ports)}
-            dog = Watchdog(cfg, run_dir, names=lambda role: by_port.get(role, role.split("-")[0]),
-                           logs=run_dir.log, urls=lambda: [f"http://{cfg.inference.host}:{p}" for p in ports])
-            gone: list[str] = []  # inference replicas that exited for good, in the order seen
-            restarts = dict.fromkeys(names, 0)
+            view = LiveView(cfg, run_dir)
+            supervisor = Supervisor(cfg, run_dir, children(cfg, run_dir, ports), _View(view),
+                                    urls=lambda: [f"http://{cfg.inference.host}:{p}" for p in ports])
             with view:
-                while True:
-                    view.refresh()
-                    if procs["trainer"].poll() == 0:
-                        break
-                    if (stall := dog.check()) is not None:
-                        line = (f"the run made no progress for {cfg.watchdog.stall_timeout_s:.0f} s: {stall.stage} "
-                                f"(every process's waits and stacks: {stall.report})")
-                        if cfg.watchdog.on_stall == "exit":
-                            view.stop()
-                            self._stop_all(procs)
-                            print(f"\nerror: {line}; stopped the run (watchdog.on_stall = \"exit\"; the same "
-                                  f"command resumes it from its newest checkpoint)", file=sys.stderr)
-                            return STALLED
-                        view.note(f"warning: {line}; still waiting (watchdog.on_stall = \"wait\")")
-                    for name in names:
-                        if name in gone or procs[name].poll() is None:
-                            continue
-                        rc = procs[name].returncode
-                        serving = sum(procs[n].poll() is None for n in names)
-                        if serving and restarts[name] < cfg.inference.max_restarts:
-                            restarts[name] += 1
-                            view.note(f"warning: the {name} process exited with code {rc}; restarting it "
-                                      f"({restarts[name]} of at most {cfg.inference.max_restarts}), {serving} of "
-                                      f"{len(names)} inference servers serve meanwhile (log: {run_dir.log(name)})")
-                            start(name, "a")
-                            continue
-                        gone.append(name)
-                        if len(gone) < len(names):
-                            view.note(f"warning: the {name} process exited with code {rc}; "
-                                      f"{len(names) - len(gone)} of {len(names)} inference servers left, the "
-                                      f"run goes on (log: {run_dir.log(name)})")
-                    failed = [(n, p.returncode) for n, p in procs.items()
-                              if n not in names and p.poll() not in (None, 0)]
-                    if len(gone) == len(names) or failed:
-                        if len(gone) == len(names):  # no server left (the only one, with one replica)
-                            name, rc = gone[-1], procs[gone[-1]].returncode
-                            what = f"the {name} process exited with code {rc}" if len(names) == 1 else (
-                                f"every inference process exited (the last, {name}, with code {rc})")
-                        else:
-                            name, rc = failed[0]
-                            what = f"the {name} process exited with code {rc}"
-                        view.stop()
-                        self._stop_all(procs)
-                        print(f"\nerror: {what}; stopped the others.", file=sys.stderr)
-                        print(_tail(run_dir.log(name)), file=sys.stderr)
-                        print(f"Full log: {run_dir.log(name)}", file=sys.stderr)
-                        return 1
-                    time.sleep(0.5)
-            view.refresh()
-        except Interrupted as exc:
-            view.stop()
-            print(f"\n{exc.args[0]}: stopping inference, orchestrator and trainer...", file=sys.stderr)
-            self._stop_all(procs)
-            print(f"stopped; everything written so far is in {out}", file=sys.stderr)
-            return 130
+                outcome = supervisor.run()
+                view.refresh()
         finally:
-            self._stop_all(procs)
             if service is not None:
                 service.stop()
-            for s, h in old.items():
-                signal.signal(s, h)
-        summarize(run_dir)
-        return 0
+        return self._report(cfg, run_dir, outcome)
 
     @staticmethod
-    def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-        live = {n: p for n, p in procs.items() if p.poll() is None}
-        for p in live.values():
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + GRACE_SECONDS
-        for p in live.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in live.values():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+    def _report(cfg: RunConfig, run_dir: RunDir, outcome: Outcome) -> int:
+        if outcome.code == 0:
+            summarize(run_dir)
+        elif outcome.signal:
+            print(f"stopped; everything written so far is in {run_dir.root}", file=sys.stderr)
+            return 130
+        elif outcome.stalled:
+            print(f"\nerror: {outcome.message}; stopped the run (watchdog.on_stall = \"exit\"; the same command "
+                  f"resumes it from its newest checkpoint)", file=sys.stderr)
+        else:
+            print(f"\nerror: {outcome.message}; stopped the others.", file=sys.stderr)
+            print(tail(outcome.log), file=sys.stderr)
+            print(f"Full log: {outcome.log}", file=sys.stderr)
+            return 1
+        return outcome.code

@@ -60,6 +60,10 @@ class SlurmConfig(LauncherConfig):
     # the Mooncake master's RPC port on the job's first node (+1: its metadata server, +2: its
     # metrics) when inference.kv_store = "mooncake"; a one-node job picks free ports
     mooncake_port: int = attrs.field(default=50051, validator=_min(1))
+    # a node lost mid-run (NODE_FAIL): true requeues the job (sbatch --requeue), which resumes
+    # the run from its newest checkpoint once Slurm has nodes for it, and primerl run follows
+    # it; false ends the run, naming the node, and the same command resumes it
+    requeue: bool = False
     # more #SBATCH lines, each an sbatch option: ["--qos=high", "--constraint=h200"]
     sbatch_args: list[str] = attrs.field(factory=list)
     # write OUT/slurm/*.sbatch and the role scripts but submit nothing (primerl run --dry-run)
