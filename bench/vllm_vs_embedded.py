@@ -88,6 +88,18 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600
     sys.exit(f"error: no answer from {url} in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
 
 
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every server, then SIGKILL the process group of any still up a minute later."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(32, 127) for _ in range(rng.randint(8, 64))], rng.randint(16, 128)) for _ in range(n)]
@@ -149,14 +161,7 @@ def main() -> None:
                           "embedded_tokens_per_s": round(tps["embedded"], 1), "vllm_tokens_per_s": round(tps["vllm"], 1),
                           "ratio": round(tps["embedded"] / tps["vllm"], 2)}))
     finally:
-        for proc, _ in servers.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc, _ in servers.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_servers([proc for proc, _ in servers.values()])
 
 
 if __name__ == "__main__":
