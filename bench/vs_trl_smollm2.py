@@ -71,8 +71,10 @@ def primerl_side(out: Path, steps: int, every: int) -> list[dict]:
            "--orchestrator.batch_size", str(SAMPLES_PER_STEP), "--orchestrator.group_size", str(GROUP),
            "--orchestrator.eval_every", "0", "--inference.port", "0"]
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=7200)
-    if done.returncode != 0:
-        raise SystemExit(f"primerl run failed (exit {done.returncode}); see {out / 'logs'}")
+    if done.returncode != 0:  # the run's directory goes with the bench's temporary one: its last error lines now
+        tails = [f"{log.name}: {log.read_text().strip().splitlines()[-1]}" for log in sorted((out / "logs").glob("*.log"))
+                 if log.read_text().strip()]
+        raise SystemExit(f"primerl run failed (exit {done.returncode}):\n" + "\n".join(tails))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     points, spent = [], 0.0
     for r in rows:
