@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import primerl_blocks.attention as attention
+
 from primerl.models import ModelConfig
 from primerl.registry import get_registry
 from primerl.tokenizer import VOCAB_SIZE
