@@ -48,7 +48,8 @@ def build(adapter, ckpt):
 def test_packed_rows_ragged_cached_steps_and_last_logits_match_transformers(arch, checkpoints, adapter):
     """Packed rows (two sequences in one row), a cached forward mixing a decode row, a
     continued prefill and a fresh prefill, and last-token logits: each as transformers'
-    plain forward over each whole sequence (44 tokens: past gpt_oss's window of 8)."""
+    plain forward over each whole sequence (44 tokens: past gpt_oss's window of 8); logits at
+    a mask's positions as the full logits at them."""
     hf, model = reference(checkpoints[arch]), build(adapter, checkpoints[arch])
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g) for n in (31, 44, 17)]
@@ -59,6 +60,11 @@ def test_packed_rows_ragged_cached_steps_and_last_logits_match_transformers(arch
         pos[0], seg[0, 31:] = torch.cat([torch.arange(31), torch.arange(17)]), 1
         ids[1, :44], pos[1, :44] = seqs[1], torch.arange(44)
         out = model(ids, pos, torch.tensor([48, 44]), segment_ids=seg).logits
+        # the trainer's form: logits at the loss's positions only, rows selecting different columns
+        only = torch.zeros(2, 48, dtype=torch.bool)
+        only[0, 20:40], only[1, 5:9], only[1, 42] = True, True, True
+        selected = model(ids, pos, torch.tensor([48, 44]), segment_ids=seg, logits_for=only).logits
+    torch.testing.assert_close(selected, out[only], atol=TOL, rtol=0)
     torch.testing.assert_close(out[0, :31], ref[0], atol=TOL, rtol=0)
     torch.testing.assert_close(out[0, 31:], ref[2], atol=TOL, rtol=0)
     torch.testing.assert_close(out[1, :44], ref[1], atol=TOL, rtol=0)

@@ -275,7 +275,7 @@ class TransformersLM(nn.Module):
         logits_for: str | Tensor = "all",
     ) -> ModelOutput:
         """The contract of :meth:`primerl.models.contract.CausalLM.forward` (``docs/models.md``; a mask
-        in ``logits_for`` selects from every position's logits: transformers' head runs whole)."""
+        in ``logits_for`` runs transformers' head at the columns some row selects, then selects)."""
         B, S = input_ids.shape
         device = input_ids.device
         selected = isinstance(logits_for, Tensor)
@@ -307,11 +307,14 @@ class TransformersLM(nn.Module):
             (j[None, None, :] == past[:, None, None])  # [1|B, S, T]
         visible = torch.where(valid_q[:, :, None], visible, own)
         mask = self._masks(visible, positions, k_pos, self.dtype)
-        keep = (lengths - 1).clamp(min=0)[:, None] if logits_for == "last" else 0  # [B, 1]: each row's last
+        if selected:  # the head only at the columns some row selects (transformers' 1-D logits_to_keep)
+            keep: Tensor | int = logits_for.any(0).nonzero().squeeze(1)  # [C]
+        else:
+            keep = (lengths - 1).clamp(min=0)[:, None] if logits_for == "last" else 0  # [B, 1]: each row's last
         out = self.hf(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                       use_cache=kv is not None, logits_to_keep=keep, **{self._cache_kwarg: kv})
         if selected:
-            logits = out.logits[logits_for]  # [N, V]
+            logits = out.logits[logits_for[:, keep]]  # [N, V]: row-major, as logits_for[mask] orders them
         else:
             logits = out.logits[:, 0] if logits_for == "last" else out.logits  # [B, V] or [B, S, V]
         none = torch.zeros(B, S, 0, 0, dtype=torch.int16, device=device)
