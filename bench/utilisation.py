@@ -35,8 +35,18 @@ runs as configured for a matmul-bound model: TRL with its probed threads, primer
 engine leaves idle, as ``trainer.threads`` advises); ``--primerl-args ""`` measures the
 default share (one core each).
 
+``--model llama --checkpoint smollm2-135m-instruct``: a real model, trained as
+examples/smollm2-reverse-text.toml trains it (lr 1e-5, temperature 1, groups of 8, no
+warm-up). Its output head (49,152 x 576, tied to the embedding) is counted where the loop
+needs it, as part of the model's work: the trainer's head at the loss's tokens
+(``trainer/loss_tokens``, the only positions it computes the head at), the engine's at each
+generated token (a prefill computes it at its last position only); the body (every other
+weight) at every token as above. The machine's rate adds the head's shape. TRL is not run
+in this mode (bench/vs_trl_smollm2.py compares the two on this model).
+
     pip install -r requirements-bench.txt      # trl
     python bench/utilisation.py                # final line: {"loop_utilisation": ..., "vs_trl": ...}
+    python bench/utilisation.py --model llama --checkpoint smollm2-135m-instruct
     python bench/utilisation.py --primerl-args "--trainer.threads 2 --orchestrator.async_level 2"
 """
 
@@ -64,14 +74,30 @@ ROLES = ("trainer", "inference", "orchestrator")
 
 
 # ---- the machine's matmul rate on the model's shapes ----------------------------------------
-def weight_shapes(preset: str) -> list[tuple[int, int, int]]:
-    """(rows, in, out) of each GEMM a token's forward runs, at GEMM_ROWS tokens: every 2-D
-    weight but the embedding and the indexer, each expert at its share of the rows."""
+def build(model_name: str, preset: str, checkpoint: str | None):
+    """The model measured: a preset (random weights) or ``checkpoint``."""
     from primerl.models import ModelConfig
-    from primerl.models.experts import Experts
     from primerl.registry import get_registry
 
-    model = get_registry().load("model", "glm5")().build(ModelConfig(name="glm5", preset=preset, seed=0))
+    cfg = ModelConfig(name=model_name, preset=preset, seed=0) if checkpoint is None else \
+        ModelConfig(name=model_name, checkpoint=checkpoint)
+    return get_registry().load("model", model_name)().build(cfg)
+
+
+def tied_head(model) -> tuple[int, int] | None:
+    """(in, out) of the output head when it is the embedding table (then the shapes and
+    active parameters below, which skip the embedding, leave it out)."""
+    emb = model.input_embeddings().weight  # [vocab, hidden]
+    return (emb.shape[1], emb.shape[0]) if model.lm_head.weight is emb else None
+
+
+def weight_shapes(model_name: str, preset: str, checkpoint: str | None = None) -> list[tuple[int, int, int]]:
+    """(rows, in, out) of each GEMM a token's forward runs, at GEMM_ROWS tokens: every 2-D
+    weight but the embedding and the indexer, each expert at its share of the rows (and a
+    head tied to the embedding, with ``checkpoint``)."""
+    from primerl.models.experts import Experts
+
+    model = build(model_name, preset, checkpoint)
     k = model.config.num_experts_per_tok
     skip = {id(model.input_embeddings().weight)} | {id(p) for n, p in model.named_parameters() if ".indexer." in n}
     shapes = []
@@ -84,7 +110,17 @@ def weight_shapes(preset: str) -> list[tuple[int, int, int]]:
                 shapes += [(max(1, GEMM_ROWS * k // p.shape[0]), p.shape[2], p.shape[1])] * p.shape[0]
             else:  # [out, in]
                 shapes.append((GEMM_ROWS, p.shape[1], p.shape[0]))
+    if checkpoint is not None and (tied := tied_head(model)):
+        shapes.append((GEMM_ROWS, *tied))
     return shapes
+
+
+def body_and_head_params(model) -> tuple[int, int]:
+    """A dense checkpoint's parameters a token's forward multiplies by, the output head apart:
+    (body: every weight but the embedding and the head, head)."""
+    emb, head = model.input_embeddings().weight, model.lm_head.weight
+    body = sum(p.numel() for p in model.parameters() if p is not emb and p is not head)
+    return body - sum(p.numel() for p in model.parameters() if p.dim() < 2), head.numel()
 
 
 def gemm_gflops(shapes: list[tuple[int, int, int]], rows: int | None = None, seconds: float = 2.0) -> float:
@@ -106,10 +142,10 @@ def gemm_gflops(shapes: list[tuple[int, int, int]], rows: int | None = None, sec
     return flops * n / (time.perf_counter() - t0) / 1e9
 
 
-def machine_gflops(preset: str) -> dict[str, float]:
+def machine_gflops(model_args: list[str]) -> dict[str, float]:
     """Both cores at once, one GEMM process each: their summed rate on the training shapes,
     and on a decode step's (``DECODE_ROWS``)."""
-    cmd = [sys.executable, __file__, "--gemm-only", "--preset", preset]
+    cmd = [sys.executable, __file__, "--gemm-only", *model_args]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(os.cpu_count() or 1)]
     outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
     return {"gflops": sum(o["gflops"] for o in outs), "per_core": statistics.mean(o["gflops"] for o in outs),
@@ -194,10 +230,11 @@ class Snapshot:
         self.engine = engine_counters(port)
 
 
-def primerl_run(out: Path, preset: str, steps: int, extra: list[str]) -> dict:
-    """One ``primerl run``: snapshots at the end of its first step and of its last."""
+def primerl_run(out: Path, model: list[str], steps: int, extra: list[str]) -> dict:
+    """One ``primerl run`` (``model``: its --model options): snapshots at the end of its first
+    step and of its last."""
     port = free_port()
-    cmd = [sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--model.preset", preset,
+    cmd = [sys.executable, "-m", "primerl.cli", "run", *model,
            "--env", "reverse-text", "--output-dir", str(out), "--max-steps", str(steps + 1), "--sft.steps", "0",
            "--env.max_words", "1", "--orchestrator.batch_size", str(SAMPLES_PER_STEP),
            "--orchestrator.group_size", str(GROUP), "--orchestrator.max_tokens", str(MAX_NEW),
@@ -230,6 +267,7 @@ def primerl_run(out: Path, preset: str, steps: int, extra: list[str]) -> dict:
         "wall_s": wall, "steps": len(rows) - 1,
         "rollouts_per_s": SAMPLES_PER_STEP * (len(rows) - 1) / wall,
         "trainer_tokens": sum(r["trainer/tokens"] for r in rows[1:]),
+        "loss_tokens": sum(r["trainer/loss_tokens"] for r in rows[1:]),
         "trainer_s": sum(r["time/train"] for r in rows[1:]),
         "publish_s": sum(r.get("time/publish", 0.0) for r in rows[1:]),
         "wait_s": sum(r["time/wait"] for r in rows[1:]),
@@ -256,7 +294,9 @@ def role(flops: float, cpu_s: float, wall: float, per_core: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="glm5")
     ap.add_argument("--preset", default="small")
+    ap.add_argument("--checkpoint", default=None, help="a real model instead of the preset (TRL not run)")
     ap.add_argument("--steps", type=int, default=8, help="timed primerl steps (after a first one)")
     ap.add_argument("--trl-steps", type=int, default=3, help="timed TRL steps (after a first one)")
     ap.add_argument("--rounds", type=int, default=1)
@@ -265,22 +305,30 @@ def main() -> None:
     ap.add_argument("--gemm-only", action="store_true", help=argparse.SUPPRESS)  # one core's GEMM rate (a child)
     args = ap.parse_args()
     if args.gemm_only:
-        shapes = weight_shapes(args.preset)
+        shapes = weight_shapes(args.model, args.preset, args.checkpoint)
         print(json.dumps({"gflops": gemm_gflops(shapes), "decode_gflops": gemm_gflops(shapes, DECODE_ROWS)}))
         return
+    args.no_trl = args.no_trl or args.checkpoint is not None
     if not args.no_trl:
         try:
             import trl  # noqa: F401
         except ImportError:
             sys.exit("this benchmark compares with TRL: pip install -r requirements-bench.txt (or pass --no-trl)")
 
-    active = active_params(args.preset)
-    rates = [machine_gflops(args.preset)]
+    model_args = ["--model", args.model] + (["--preset", args.preset] if args.checkpoint is None else
+                                            ["--checkpoint", args.checkpoint])
+    run_model = ["--model", args.model] + (["--model.preset", args.preset] if args.checkpoint is None else
+                                           ["--model.checkpoint", args.checkpoint])
+    if args.checkpoint is None:
+        active, head = active_params(args.preset), 0  # the preset's head counted in active, at every token
+    else:
+        active, head = body_and_head_params(build(args.model, args.preset, args.checkpoint))
+    rates = [machine_gflops(model_args)]
     ours, theirs, threads = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            ours.append(primerl_run(Path(tmp) / f"primerl{r}", args.preset, args.steps, shlex.split(args.primerl_args)))
-            rates.append(machine_gflops(args.preset))
+            ours.append(primerl_run(Path(tmp) / f"primerl{r}", run_model, args.steps, shlex.split(args.primerl_args)))
+            rates.append(machine_gflops(model_args))
             print(f"round {r + 1}: primerl {ours[-1]['rollouts_per_s']:.2f} rollouts/s", flush=True)
             if args.no_trl:
                 continue
@@ -288,7 +336,7 @@ def main() -> None:
                      for t in sorted({1, os.cpu_count() or 1})}
             threads.append(max(probe, key=probe.get))
             theirs.append(trl_run_stats(Path(tmp) / f"trl{r}", args.trl_steps, "sdpa", threads[-1], args.preset))
-            rates.append(machine_gflops(args.preset))
+            rates.append(machine_gflops(model_args))
             print(f"round {r + 1}: TRL {theirs[-1]['rollouts_per_s']:.2f} rollouts/s with {threads[-1]} threads "
                   f"(probe {probe})", flush=True)
 
@@ -296,8 +344,9 @@ def main() -> None:
     per_core = statistics.median(x["per_core"] for x in rates)
     run = min(ours, key=lambda o: abs(o["rollouts_per_s"] - statistics.median(x["rollouts_per_s"] for x in ours)))
     wall = run["wall_s"]
-    f_train = 6 * active * run["trainer_tokens"]
-    f_infer = 2 * active * (run["prefilled"] + run["generated"])
+    # the body at every token; a checkpoint's head where the loop computes it (module docstring)
+    f_train = 6 * active * run["trainer_tokens"] + 6 * head * run["loss_tokens"]
+    f_infer = 2 * active * (run["prefilled"] + run["generated"]) + 2 * head * run["generated"]
     roles = {"trainer": role(f_train, run["cpu_s"]["trainer"], wall, per_core),
              "inference": role(f_infer, run["cpu_s"]["inference"], wall, per_core),
              "orchestrator": role(0.0, run["cpu_s"]["orchestrator"], wall, per_core)}
@@ -307,7 +356,9 @@ def main() -> None:
     roles["inference"]["tokens_per_step"] = {k: round(run[k] / run["steps"]) for k in ("prompt_tokens", "prefilled",
                                                                                         "generated")}
     result = {
-        "bench": "utilisation", "model": "glm5", "preset": args.preset, "active_params": active,
+        "bench": "utilisation", "model": args.model, **({"preset": args.preset} if args.checkpoint is None else
+                                                         {"checkpoint": args.checkpoint, "head_params": head}),
+        "active_params": active,
         "steps": run["steps"], "rounds": args.rounds,
         "primerl_args": args.primerl_args,
         "machine_gflops": round(machine, 1), "per_core_gflops": round(per_core, 1),
