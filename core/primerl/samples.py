@@ -54,8 +54,7 @@ class Sample:
 
     def __attrs_post_init__(self) -> None:
         n = len(self.tokens)
-        for name in ("loss_mask", "logprobs", "versions"):
-            value = getattr(self, name)
+        for name, value in (("loss_mask", self.loss_mask), ("logprobs", self.logprobs), ("versions", self.versions)):
             if value is not None and len(value) != n:
                 raise ValueError(f"sample of task {self.task_id!r}: {name} has {len(value)} entries for {n} tokens")
         if self.routed_experts is not None and self.routed_experts.shape[0] not in (n - 1, n):

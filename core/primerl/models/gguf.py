@@ -185,6 +185,8 @@ def _reader(path: Path) -> Any:
 
 
 def _field(reader: Any, key: str) -> Any:
+    import numpy as np  # the reader's fields are numpy arrays
+
     field = reader.fields.get(key)
     if field is None:
         return None
@@ -192,7 +194,7 @@ def _field(reader: Any, key: str) -> Any:
     try:
         return bytes(value).decode("utf-8")
     except (TypeError, ValueError):
-        return value.tolist() if hasattr(value, "tolist") else value
+        return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _parsed(path: Path, *, tensors: bool, model: Any = None) -> dict[str, Any]:

@@ -97,7 +97,7 @@ class PackedBatch:
         m = max(1, int(self.lengths[index].max()))
         out: dict[str, Tensor | None] = {}
         for f in fields(self):
-            t = getattr(self, f.name)
+            t = vars(self)[f.name]
             if t is None:
                 out[f.name] = None
                 continue
@@ -113,7 +113,7 @@ class PackedBatch:
         n = int(self.lengths[r])
         out: dict[str, Tensor | None] = {}
         for f in fields(self):
-            t = getattr(self, f.name)
+            t = vars(self)[f.name]
             if f.name == "lengths":
                 out[f.name] = t[r : r + 1]  # [1]
             elif t is None:

@@ -234,9 +234,10 @@ def _unwritable(run: RunDir, n: int, exc: BaseException | None, tmp: Path) -> Pr
 
 def unwrap(exc: BaseException) -> BaseException:
     """The exception inside DCP's ``CheckpointException`` (its first failing rank's), else ``exc``."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException) and exc.failures:
+        inner = next(iter(exc.failures.values()))
         inner = inner[0] if isinstance(inner, tuple) else inner
         if isinstance(inner, BaseException):
             return inner
