@@ -188,12 +188,12 @@ class MonitorSet:
         self._log = log
 
     @classmethod
-    def for_run(cls, cfg: Any, *, log: Callable[[str], None], registry: Any = None) -> MonitorSet:
+    def for_run(cls, cfg: Any, *, log: Callable[[str], None], registry: Any) -> MonitorSet:
         """The monitors ``cfg.monitors`` switches on, built (each its plugin's class with its
-        options); one that cannot be built is reported once and left out."""
-        from primerl.registry import get_registry
-
-        reg = registry or get_registry()
+        options) from ``registry`` (:func:`primerl.registry.get_registry`: the registry reads
+        this module's capability record, so this module never imports it); one that cannot be
+        built is reported once and left out."""
+        reg = registry
         out = cls(log=log)
         for name, options in with_always_on(cfg.monitors, reg).items():
             if not options.enabled:
