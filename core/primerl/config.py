@@ -34,9 +34,11 @@ from primerl.envs import EnvConfig, Environment
 from primerl.errors import ConfigError, PluginError, PrimerlError
 from primerl.inference import InferenceConfig
 from primerl.launchers import LauncherConfig
-from primerl.models import ModelConfig
+from primerl.models import ModelConfig, plugin_for_model_type
+from primerl.models.sources import is_checkpoint_name, model_type_of, packaged
 from primerl.monitors import MonitorConfig, with_always_on
 from primerl.parallel import ParallelConfig
+from primerl.registry import get_registry
 from primerl.sections import config_class, section_class
 from primerl.structuring import first_origin_under, origin_of, structure
 from primerl.validators import non_negative, positive
@@ -174,8 +176,6 @@ class TrainerConfig:
         """Why ``precision`` cannot hold on ``device``, or None."""
         if self.precision != "float32" or device != "cuda":
             return None
-        from primerl.registry import get_registry
-
         strategy = self.resolved_parallelism()
         if not get_registry().capabilities("parallelism", strategy).float32_on_cuda:
             return (f"trainer.precision = 'float32' with the {strategy} strategy on CUDA: it computes in bfloat16 "
@@ -532,8 +532,6 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
     """Resolve a RunConfig; plugin sections are checked by the selected plugin's Config class.
     ``origins``, when given, is filled with where each set key came from (key path -> a file,
     the command line, an env's run defaults...)."""
-    from primerl.registry import get_registry
-
     raw, sources = build_raw(src, explicit)
     if origins is not None:  # the caller's dict, filled as the layers below add theirs
         origins.update(sources)
@@ -593,9 +591,6 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
 def _model_from_checkpoint(raw: dict[str, Any], sources: dict[str, str], reg: Any) -> None:
     """``--model.checkpoint`` without ``--model``: the plugin the checkpoint names (a packaged
     checkpoint's own ``model``), else the one made for its ``model_type``, else ``hf``."""
-    from primerl.models import plugin_for_model_type
-    from primerl.models.sources import is_checkpoint_name, model_type_of, packaged
-
     table = raw.get("model")
     if not isinstance(table, dict) or "name" in table or not isinstance(table.get("checkpoint"), str):
         return
