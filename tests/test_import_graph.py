@@ -143,6 +143,23 @@ def test_each_contract_owns_its_config_section():
             type(run.trainer.parallel)) == (EnvConfig, InferenceConfig, LauncherConfig, ModelConfig, ParallelConfig)
 
 
+OWNED = {"EnvConfig": "primerl.envs", "InferenceConfig": "primerl.inference", "LauncherConfig": "primerl.launchers",
+         "ModelConfig": "primerl.models", "MonitorConfig": "primerl.monitors", "ParallelConfig": "primerl.parallel"}
+
+
+def test_section_classes_are_imported_from_their_owners():
+    """Core, plugins, tests and benches import a contract's section class from the contract,
+    never through a module that happens to hold the name (``primerl.config``)."""
+    paths = [p for top in ("core", "plugins", "tests", "bench", "examples") for p in sorted((REPO / top).rglob("*.py"))]
+    wrong = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                wrong += [f"{path.relative_to(REPO)}:{node.lineno} {a.name} from {node.module}" for a in node.names
+                          if a.name in OWNED and node.module != OWNED[a.name]]
+    assert wrong == []
+
+
 def test_the_graph_sees_what_it_checks(tmp_path):
     """A circle closed by a function-local or relative import is found, naming each step; one
     through ``if TYPE_CHECKING:`` is not; a long module would be reported."""
