@@ -48,6 +48,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+__all__ = ["CLI", "ConfigSources", "EvalSourceConfig", "LoraConfig", "OrchestratorConfig", "RunConfig", "SftConfig",
+           "SourceConfig", "TrainerConfig", "WatchdogConfig", "build_raw", "dump_toml", "load_config", "merge_into",
+           "parse_value", "read_toml", "set_dotted", "source_name_for", "split_args", "to_dict"]
+
 
 # --------------------------------------------------------------------------------------
 # Sections only the run has; RunConfig composes them with the contracts' sections.

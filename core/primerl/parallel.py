@@ -52,6 +52,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
+__all__ = ["ROOT_UNIT", "ParallelConfig", "ParallelLayout", "Parallelism", "ParallelismCapabilities", "Parallelized",
+           "Shard", "ShardedThing", "barrier", "device_mesh", "init_trainer_group", "is_publisher", "unit_of",
+           "world_size"]
+
 
 @attrs.define(kw_only=True)
 class ParallelConfig:
