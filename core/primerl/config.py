@@ -40,7 +40,9 @@ from primerl.monitors import MonitorConfig, with_always_on
 from primerl.parallel import ParallelConfig
 from primerl.registry import get_registry
 from primerl.sections import config_class, section_class
-from primerl.structuring import first_origin_under, origin_of, structure
+from primerl.structuring import first_origin_under as _first_source_under
+from primerl.structuring import origin_of as _src
+from primerl.structuring import structure
 from primerl.validators import non_negative, positive
 
 if sys.version_info >= (3, 11):
@@ -180,6 +182,8 @@ class TrainerConfig:
         """Why ``precision`` cannot hold on ``device``, or None."""
         if self.precision != "float32" or device != "cuda":
             return None
+        from primerl.registry import get_registry
+
         strategy = self.resolved_parallelism()
         if not get_registry().capabilities("parallelism", strategy).float32_on_cuda:
             return (f"trainer.precision = 'float32' with the {strategy} strategy on CUDA: it computes in bfloat16 "
@@ -372,9 +376,9 @@ class RunConfig:
                                   f"group sizes that give whole groups summing to batch_size")
         elif o.batch_size % o.group_size:
             raise ConfigError(
-                f"orchestrator.batch_size ({o.batch_size}, {origin_of(sources, 'orchestrator.batch_size')}) "
+                f"orchestrator.batch_size ({o.batch_size}, {_src(sources, 'orchestrator.batch_size')}) "
                 f"must be a multiple of orchestrator.group_size ({o.group_size}, "
-                f"{origin_of(sources, 'orchestrator.group_size')})"
+                f"{_src(sources, 'orchestrator.group_size')})"
             )
         if o.async_level > o.max_off_policy_steps:
             raise ConfigError(
@@ -386,14 +390,14 @@ class RunConfig:
             raise ConfigError(f"orchestrator.top_p must be in (0, 1], got {o.top_p}")
         self.trainer.parallel.resolved(self.trainer_world_size())
         if self.trainer.lora.rank and self.trainer.fp8:
-            raise ConfigError(f"trainer.lora.rank ({origin_of(sources, 'trainer.lora.rank')}) with trainer.fp8 "
-                              f"({origin_of(sources, 'trainer.fp8')}): the FP8 matmuls replace the linears the adapters "
+            raise ConfigError(f"trainer.lora.rank ({_src(sources, 'trainer.lora.rank')}) with trainer.fp8 "
+                              f"({_src(sources, 'trainer.fp8')}): the FP8 matmuls replace the linears the adapters "
                               f"wrap; leave one of them off")
         if self.trainer.device == "cuda" and (problem := self.trainer.precision_problem("cuda")):
-            raise ConfigError(f"{problem} ({origin_of(sources, 'trainer.precision')})")
+            raise ConfigError(f"{problem} ({_src(sources, 'trainer.precision')})")
         if not _is_loopback(self.inference.host) and not self.inference.resolved_api_key():
             raise ConfigError(
-                f"inference.host = {self.inference.host!r} ({origin_of(sources, 'inference.host')}) exposes the inference "
+                f"inference.host = {self.inference.host!r} ({_src(sources, 'inference.host')}) exposes the inference "
                 f"server (its admin endpoints too) beyond this machine, so it needs an API key: set PRIMERL_API_KEY "
                 f"in the environment (or --inference.api_key), or bind 127.0.0.1")
 
@@ -545,7 +549,7 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
     if listed["sources"]:  # the first source's env is the run's [env] (its run defaults, the SFT warm-up)
         first = _source_env(listed["sources"][0], "orchestrator.sources[0]", sources, reg)[0]
         if "env" in raw and raw["env"] != first:  # (a written config.toml holds both)
-            raise ConfigError(f"[env] ({origin_of(sources, 'env.name')}) and [[orchestrator.sources]] both say what to train "
+            raise ConfigError(f"[env] ({_src(sources, 'env.name')}) and [[orchestrator.sources]] both say what to train "
                               f"on: list every environment as a source, or give [env] (--env) alone")
         raw["env"] = _source_env(listed["sources"][0], "orchestrator.sources[0]", sources, reg)[0]
     _model_from_checkpoint(raw, sources, reg)
@@ -620,7 +624,7 @@ def _take_sources(raw: dict[str, Any], sources: Mapping[str, str]) -> dict[str, 
     for key in ("sources", "eval_sources"):
         value = orch.pop(key, []) if isinstance(orch, dict) else []
         if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
-            raise ConfigError(f"orchestrator.{key} ({origin_of(sources, 'orchestrator.' + key)}) must be a list of tables "
+            raise ConfigError(f"orchestrator.{key} ({_src(sources, 'orchestrator.' + key)}) must be a list of tables "
                               f"([[orchestrator.{key}]] entries)")
         out[key] = [dict(t) for t in value]
     return out
@@ -633,9 +637,9 @@ def _source_env(table: dict[str, Any], path: str, sources: Mapping[str, str], re
     if isinstance(env, str):  # env = "wordle": the env's defaults
         env = {"name": env}
     if not isinstance(env, Mapping) or not isinstance(env.get("name"), str):
-        raise ConfigError(f"{path}.env ({origin_of(sources, path + '.env')}) must be a table with the env's name, "
+        raise ConfigError(f"{path}.env ({_src(sources, path + '.env')}) must be a table with the env's name, "
                           f"e.g. env = {{name = \"wordle\"}}")
-    label = f"{path}.env.name = {env['name']!r} ({origin_of(sources, path + '.env.name')})"
+    label = f"{path}.env.name = {env['name']!r} ({_src(sources, path + '.env.name')})"
     return dict(env), config_class(reg, "env", env["name"], EnvConfig, label=label)
 
 
@@ -653,12 +657,12 @@ def _structure_monitors(raw: Any, sources: Mapping[str, str], reg: Any) -> dict[
     any key switches its monitor on unless it says ``enabled = false``. Always-on monitors
     (file) come first, switched on, whether named or not."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"'monitors' ({origin_of(sources, 'monitors')}) must be a table of tables, one per monitor: "
+        raise ConfigError(f"'monitors' ({_src(sources, 'monitors')}) must be a table of tables, one per monitor: "
                           f"e.g. --monitors.wandb.project NAME, or [monitors.tensorboard] enabled = true")
     out: dict[str, MonitorConfig] = {}
     for name, table in raw.items():
         path = f"monitors.{name}"
-        where = sources.get(path) or first_origin_under(sources, path) or "the defaults"
+        where = sources.get(path) or _first_source_under(sources, path) or "the defaults"
         if not isinstance(table, Mapping):
             raise ConfigError(f"{path} (from {where}) must be a table of the monitor's options: "
                               f"--{path}.enabled true switches it on")
@@ -671,7 +675,7 @@ def _structure_monitors(raw: Any, sources: Mapping[str, str], reg: Any) -> dict[
         if "enabled" not in table:
             options.enabled = True  # naming a monitor's keys switches it on
         elif not options.enabled and caps.always_on:
-            raise ConfigError(f"{path}.enabled = false ({origin_of(sources, path + '.enabled')}): monitor {name!r} is "
+            raise ConfigError(f"{path}.enabled = false ({_src(sources, path + '.enabled')}): monitor {name!r} is "
                               f"always on ({caps.why or 'the run needs it'}); drop the key")
         out[name] = options
     try:
