@@ -3,7 +3,7 @@ ConfigError naming that key (the CLI's exit 2), never an error in a process minu
 
 Each section of the run config (the core's, and each installed plugin's own ``Config``:
 every env, inference backend, launcher and monitor) is walked field by field; a field with
-a validator or a closed set of values gets a value it must refuse, and ``load_config``
+a validator or a closed set of values gets a value it must refuse, and ``load_checked``
 (what ``primerl run`` calls before anything starts) must refuse it, naming the key.
 """
 
@@ -15,8 +15,9 @@ from typing import Any, Literal
 import attrs
 import pytest
 
-from primerl.config import ConfigSources, RunConfig, load_config
+from primerl.config import ConfigSources, RunConfig
 from primerl.errors import ConfigError
+from primerl.preflight import load_checked
 from primerl.registry import get_registry
 
 # what a plugin's section needs beside its name to load at all (the tests' installed envs)
@@ -44,10 +45,10 @@ def bad_values(cls: type, name: str) -> list[Any]:
 
 
 def refuses(key: str, value: Any, base: list[tuple[str, Any]]) -> bool | None:
-    """True: load_config refuses ``key = value`` naming the key; False: it accepts the value
+    """True: load_checked refuses ``key = value`` naming the key; False: it accepts the value
     (a valid one after all); raises when it refuses without naming the key."""
     try:
-        load_config(ConfigSources(), {**dict(base), key: value})
+        load_checked(ConfigSources(), {**dict(base), key: value})
     except ConfigError as exc:
         assert key in str(exc) or key.rpartition(".")[2] in str(exc), f"{key} = {value!r}: {exc}"
         return True
@@ -99,7 +100,7 @@ SECTIONS = plugin_sections()
                          ids=[f"{s or 'top'}:{sel[0][1] if sel else 'core'}" for s, sel, _ in SECTIONS])
 def test_every_validator_of_a_section_refuses_at_load_time(section, select, cls):
     try:
-        load_config(ConfigSources(), dict(select))  # the section's plugin loads with these keys
+        load_checked(ConfigSources(), dict(select))  # the section's plugin loads with these keys
     except ConfigError as exc:  # e.g. the vllm backend without vLLM in this environment
         pytest.skip(f"{select}: {exc}")
     prefix = section
@@ -115,18 +116,18 @@ def test_every_validator_of_a_section_refuses_at_load_time(section, select, cls)
                 accepted.append(f"{key} = {values}")
         except Exception as exc:  # noqa: BLE001 - anything but a ConfigError naming the key is the bug here
             pytest.fail(f"{key} ({cls.__name__}): {type(exc).__name__}: {exc}")
-    assert not accepted, f"{cls.__name__}: values its rules refuse got past load_config: {accepted}"
+    assert not accepted, f"{cls.__name__}: values its rules refuse got past load_checked: {accepted}"
 
 
 def test_a_bad_source_name_in_a_file_names_the_file(tmp_path):
     path = tmp_path / "mixed.toml"
     path.write_text('[[orchestrator.sources]]\nname = "bad name!"\nenv = "wordle"\n')
     with pytest.raises(ConfigError, match=f"orchestrator.sources\\[0\\].name' \\(from '{path}'\\)"):
-        load_config(ConfigSources(files=[str(path)]))
+        load_checked(ConfigSources(files=[str(path)]))
 
 
 @pytest.mark.parametrize("env,source", [("wordle", "wordle"), ("wordle:wordle", "wordle"),
                                         ("primerl-env-wordle:wordle", "wordle")])
 def test_a_single_env_in_every_documented_form_trains_as_a_legible_source(env, source):
-    cfg = load_config(ConfigSources(), {"env.name": env})
+    cfg = load_checked(ConfigSources(), {"env.name": env})
     assert [s.name for s in cfg.orchestrator.train_sources(cfg.env)] == [source]

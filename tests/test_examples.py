@@ -9,7 +9,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from primerl.config import InferenceConfig, dump_toml, read_toml
+from primerl.config import dump_toml, read_toml
+from primerl.inference import InferenceConfig
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 LAPTOP = sorted(EXAMPLES.glob("*.toml"))

@@ -3,7 +3,8 @@ Config, mixed by ratio into every batch."""
 
 import pytest
 
-from primerl.config import ConfigError, ConfigSources, dump_toml, load_config, to_dict
+from primerl.config import ConfigSources, dump_toml, load_config, to_dict
+from primerl.errors import ConfigError
 
 
 def load(tmp_path, text, *overrides):

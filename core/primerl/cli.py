@@ -347,9 +347,10 @@ def _env_for(ctx: typer.Context, name: str, tasks: str | None):
 
 
 def _resolve(ctx: typer.Context, explicit: dict[str, Any], origins: dict[str, str] | None = None):
-    from primerl.config import load_config, split_args
+    from primerl.config import split_args
+    from primerl.preflight import load_checked
 
-    return load_config(split_args(list(ctx.args)), explicit, origins=origins)
+    return load_checked(split_args(list(ctx.args)), explicit, origins=origins)
 
 
 def _defaults_note(origins: dict[str, str]) -> str:

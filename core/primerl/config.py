@@ -1,222 +1,63 @@
-"""Typed run configuration: TOML files merged left to right, then dotted CLI overrides.
+"""The run's configuration: the sections composed into :class:`RunConfig`, loaded from TOML
+files merged left to right, then dotted command-line overrides.
 
     primerl run --model glm5 --env reverse-text @ base.toml @ fast.toml --trainer.lr 3e-4
 
-Every section is an attrs class validated at construction. Plugin sections (``[model]``,
-``[env]``) are validated by the selected plugin's own ``Config`` class, so a third-party
-environment declares its options once and gets the same checks and error messages; so is
-``[inference]`` when the selected backend declares a ``Config`` (a subclass of
-InferenceConfig with its own keys, e.g. vLLM's parallel sizes), and ``[launcher]`` when
-the selected launcher does (a subclass of LauncherConfig, e.g. Slurm's node counts).
+Each contract owns its section, beside its Protocol and capability record:
+``[model]`` (:class:`primerl.models.ModelConfig`), ``[env]`` (:class:`primerl.envs.EnvConfig`),
+``[inference]`` (:class:`primerl.inference.InferenceConfig`), ``[trainer.parallel]``
+(:class:`primerl.parallel.ParallelConfig`), ``[launcher]``
+(:class:`primerl.launchers.LauncherConfig`), ``[monitors.<name>]``
+(:class:`primerl.monitors.MonitorConfig`). The sections only the run itself has (trainer,
+orchestrator, sft, watchdog) are defined here, and :class:`RunConfig` composes them all.
 
-Errors name the key path, where the value came from (file or command line) and what is
-allowed; the CLI prints them and exits with code 2, without a traceback.
+A plugin section is checked by the selected plugin's own ``Config`` (a subclass of the
+section's class: a third-party env or backend declares its options once and gets the same
+checks and error messages), which :mod:`primerl.sections` finds. Tables become attrs classes
+through :mod:`primerl.structuring`: errors name the key path, where the value came from
+(file or command line) and what is allowed; the CLI prints them and exits with code 2,
+without a traceback. Loading imports no component: :mod:`primerl.preflight` builds what the
+config names (losses, corrections, advantages, the model's capabilities) to check it.
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 import sys
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import attrs
 
+from primerl.envs import EnvConfig, Environment
 from primerl.errors import ConfigError, PluginError, PrimerlError
-from primerl.models import ModelConfig
-from primerl.monitors import MonitorConfig
+from primerl.inference import InferenceConfig
+from primerl.launchers import LauncherConfig
+from primerl.models import ModelConfig, plugin_for_model_type
+from primerl.models.sources import is_checkpoint_name, model_type_of, packaged
+from primerl.monitors import MonitorConfig, with_always_on
+from primerl.parallel import ParallelConfig
+from primerl.registry import get_registry
+from primerl.sections import config_class, section_class
+from primerl.structuring import first_origin_under as _first_source_under
+from primerl.structuring import origin_of as _src
+from primerl.structuring import structure
+from primerl.validators import non_negative, positive
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
+__all__ = ["CLI", "ConfigSources", "EvalSourceConfig", "LoraConfig", "OrchestratorConfig", "RunConfig", "SftConfig",
+           "SourceConfig", "TrainerConfig", "WatchdogConfig", "build_raw", "dump_toml", "load_config", "merge_into",
+           "parse_value", "read_toml", "set_dotted", "source_name_for", "split_args", "to_dict"]
+
 
 # --------------------------------------------------------------------------------------
-# Sections owned by the core. Plugin sections subclass ModelConfig / EnvConfig.
+# Sections only the run has; RunConfig composes them with the contracts' sections.
 # --------------------------------------------------------------------------------------
-
-
-def _positive(_inst: Any, attribute: attrs.Attribute, value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name}: must be > 0, got {value}")
-
-
-def _non_negative(_inst: Any, attribute: attrs.Attribute, value: float) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name}: must be >= 0, got {value}")
-
-
-@attrs.define(kw_only=True)
-class EnvConfig:
-    """The ``[env]`` section; environments subclass it to add their own options."""
-
-    # the environment plugin (register_envs): reverse-text, alphabet-sort, wordle, swe,
-    # verifiers...; `primerl plugins list` shows those installed
-    name: str = "reverse-text"
-    # seeds the env's own task generation (the built-in envs draw their tasks from it), apart
-    # from the run's seed, so one task set can be trained with different run seeds
-    seed: int = 0
-
-
-@attrs.define(kw_only=True)
-class InferenceConfig:
-    """The ``[inference]`` section: the server(s) that generate rollouts."""
-
-    # the inference backend plugin (register_inference_backends): "embedded" (primerl's own
-    # engine, CPU or GPU) or "vllm" (its own keys: docs/vllm.md)
-    backend: str = "embedded"
-    # the router plugin in front of the inference servers (the orchestrator talks to one endpoint)
-    router: str = "round-robin"
-    # keyword arguments of the router's constructor (docs/routers.md lists each router's),
-    # e.g. [inference.router_options] policy = "consistent_hash"
-    router_options: dict[str, Any] = attrs.field(factory=dict)
-    host: str = "127.0.0.1"  # address the inference server listens on and the orchestrator calls
-    # the server's HTTP port (OpenAI API + admin); 0, or a port in use, makes the local
-    # launcher pick a free one
-    port: int = attrs.field(default=8000, validator=_non_negative)
-    # inference servers (replicas of the same policy) the launcher starts; the orchestrator
-    # spreads requests over them through the router, re-sends a dead one's requests to
-    # another, and readmits it with the current weights when its /health answers again
-    replicas: int = attrs.field(default=1, validator=_positive)
-    # local and slurm launchers: times each inference server that exits while another one serves
-    # is started again on its port (the orchestrator readmits it with the current weights);
-    # past that, or with no other server up, it stays down (and with none up the run stops)
-    max_restarts: int = attrs.field(default=3, validator=_non_negative)
-    # the servers' base URLs ("http://host:port") the orchestrator and trainer call; empty:
-    # replica i on host:port+i. The local launcher sets it to the ports it picked
-    urls: list[str] = attrs.field(factory=list)
-    # prefill/decode disaggregation (docs/kv_stores.md, "Prefill/decode"): this many servers
-    # only prefill prompts and hand their KV, through the KV store, to decode_replicas servers
-    # that sample; the embedded engine needs a KV store every server shares (disk, whose
-    # directory the launcher puts under the run directory, or mooncake). 0 and 0: off; when
-    # set, the two replace replicas
-    prefill_replicas: int = attrs.field(default=0, validator=_non_negative)
-    # with prefill_replicas: the servers that load each prompt's KV from the store and sample
-    decode_replicas: int = attrs.field(default=0, validator=_non_negative)
-    # with prefill/decode: the prefill servers' base URLs (urls then lists every server,
-    # prefill first: weight updates reach them all); empty: prefill server i on host:port+i.
-    # The local launcher sets it
-    prefill_urls: list[str] = attrs.field(factory=list)
-    # with prefill/decode: the decode servers' base URLs; empty: decode server j on
-    # host:port+prefill_replicas+j. The local launcher sets it
-    decode_urls: list[str] = attrs.field(factory=list)
-    # this server's part with prefill/decode, set per server by the launcher: "both" (whole
-    # requests), "prefill" or "decode". The embedded engine serves either phase on request;
-    # vLLM gets the matching KV connector role (kv_producer / kv_consumer)
-    role: Literal["both", "prefill", "decode"] = "both"
-    # sequences decoded together (vLLM's --max-num-seqs); the embedded engine also refuses
-    # a request for more samples (n) than this
-    max_batch_size: int = attrs.field(default=64, validator=_positive)
-    # most tokens of one sequence, prompt + completion (vLLM's --max-model-len)
-    max_model_len: int = attrs.field(default=1024, validator=_positive)
-    # embedded engine: sequences its KV cache holds, each max_model_len long (running ones
-    # and idle cached prefixes); at least max_batch_size, more leaves room for prefix reuse
-    kv_slots: int = attrs.field(default=128, validator=_positive)
-    # "float32", "bfloat16" or "float16" for the served model; None: the model section's dtype
-    dtype: str | None = None
-    # KV store plugin (register_kv_stores) that keeps finished sequences' KV for prefix reuse
-    kv_store: str = "memory"
-    # keyword arguments of the KV store's constructor (docs/kv_stores.md lists each store's),
-    # e.g. [inference.kv_store_options] max_bytes = 17179869184
-    kv_store_options: dict[str, Any] = attrs.field(factory=dict)
-    # where the engine runs: "auto" is CUDA when torch sees a GPU, else the CPU
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # the key every request must carry (Authorization: Bearer KEY); needed to bind a host
-    # other than loopback. PRIMERL_API_KEY in the environment keeps it out of config.toml.
-    api_key: str | None = None
-    # sequences that may wait for the engine; beyond it requests get 503 (Retry-After)
-    max_queue: int = attrs.field(default=4096, validator=_positive)
-
-    def resolved_api_key(self) -> str | None:
-        """``api_key``, else the ``PRIMERL_API_KEY`` environment variable, else None."""
-        import os
-
-        return self.api_key or os.environ.get("PRIMERL_API_KEY") or None
-
-    def disaggregated(self) -> bool:
-        """Whether prefill and decode run on separate servers (``prefill_replicas`` and
-        ``decode_replicas`` set)."""
-        return self.prefill_replicas > 0 and self.decode_replicas > 0
-
-    def pd_urls(self) -> tuple[list[str], list[str]]:
-        """(prefill servers, decode servers): ``prefill_urls`` / ``decode_urls`` when set, else
-        consecutive ports from ``port``, prefill first."""
-        if self.prefill_urls and self.decode_urls:
-            return [u.rstrip("/") for u in self.prefill_urls], [u.rstrip("/") for u in self.decode_urls]
-        ports = [self.port + i for i in range(self.prefill_replicas + self.decode_replicas)]
-        urls = [f"http://{self.host}:{p}" for p in ports]
-        return urls[: self.prefill_replicas], urls[self.prefill_replicas:]
-
-    def fixed_ports(self) -> dict[str, int]:
-        """Ports a server binds besides ``port`` that the config fixes (key -> port): servers
-        sharing a machine cannot share them. None here; a backend's Config names its own."""
-        return {}
-
-    def resolved_device(self) -> str:
-        """``device``, with ``auto`` resolved (a backend's Config may resolve it its own way)."""
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def check(self, run: RunConfig, sources: Mapping[str, str]) -> None:
-        """Rules that need the whole run (the backend's device, the model, the trainer's
-        settings); called once the run's config is complete. A backend's ``Config`` (a
-        subclass) overrides it and raises ConfigError naming the key."""
-
-
-@attrs.define(kw_only=True)
-class ParallelConfig:
-    """The ``[trainer.parallel]`` section: the trainer's device mesh, as torchtitan lays it
-    out. ``dp_replicate x dp_shard x cp`` is the number of ranks (nodes x nproc);
-    expert parallel ``ep`` is carved out of ``dp_shard x cp`` (it must divide it)."""
-
-    # replicas of the sharded model (HSDP's outer dimension): each trains its share of the
-    # rows, gradients are summed over them
-    dp_replicate: int = attrs.field(default=1, validator=_positive)
-    # FSDP2 shards: parameters, gradients and optimizer state split over this many ranks;
-    # -1: the ranks the other dimensions leave
-    dp_shard: int = attrs.field(default=-1)
-    # context parallel: each row's tokens split over this many ranks (zigzag chunks), for rows
-    # too long for one device
-    cp: int = attrs.field(default=1, validator=_positive)
-    # expert parallel: the routed experts split over this many ranks, tokens sent to them
-    # all-to-all; must divide dp_shard x cp
-    ep: int = attrs.field(default=1, validator=_positive)
-    # FSDP2 keeps parameters, gradients and optimizer state in CPU memory: slower, for a
-    # model that does not fit on the devices
-    cpu_offload: bool = False
-
-    def world_size(self) -> int | None:
-        """Ranks the layout needs, or None when ``dp_shard`` fills whatever is given."""
-        return None if self.dp_shard == -1 else self.dp_replicate * self.dp_shard * self.cp
-
-    def is_trivial(self) -> bool:
-        return self.dp_replicate == 1 and self.dp_shard in (-1, 1) and self.cp == 1 and self.ep == 1
-
-    def resolved(self, world_size: int) -> ParallelConfig:
-        """These settings for ``world_size`` ranks, ``dp_shard`` filled in; a ConfigError
-        names the keys of a layout that does not fit."""
-        rest = self.dp_replicate * self.cp
-        dp_shard = world_size // rest if self.dp_shard == -1 else self.dp_shard
-        if self.dp_shard == 0 or self.dp_shard < -1:
-            raise ConfigError(f"trainer.parallel.dp_shard must be positive or -1 (the ranks the others leave), "
-                              f"got {self.dp_shard}")
-        if dp_shard < 1 or self.dp_replicate * dp_shard * self.cp != world_size:
-            raise ConfigError(
-                f"[trainer.parallel] dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x cp ({self.cp}) "
-                f"must equal the trainer's ranks, nodes x trainer.nproc = {world_size}: change trainer.nproc or "
-                f"the [trainer.parallel] sizes")
-        if (dp_shard * self.cp) % self.ep:
-            raise ConfigError(f"trainer.parallel.ep ({self.ep}) must divide dp_shard x cp ({dp_shard} x {self.cp}): "
-                              f"expert parallel is carved out of the FSDP ranks")
-        return attrs.evolve(self, dp_shard=dp_shard)
 
 
 @attrs.define(kw_only=True)
@@ -226,9 +67,9 @@ class LoraConfig:
     hold the adapter in PEFT's format."""
 
     # the adapters' rank; 0: LoRA off, every weight trains
-    rank: int = attrs.field(default=0, validator=_non_negative)
+    rank: int = attrs.field(default=0, validator=non_negative)
     # the update is scaled by alpha / rank
-    alpha: float = attrs.field(default=16.0, validator=_positive)
+    alpha: float = attrs.field(default=16.0, validator=positive)
     # the modules adapted, by the last part of their names (q_proj, o_proj, gate_proj...;
     # "experts": the routed experts, one adapter per expert; lm_head: the output head);
     # empty: every linear but the routers (the head unless tied to the embeddings), and
@@ -240,21 +81,21 @@ class LoraConfig:
 class TrainerConfig:
     """The ``[trainer]`` section: optimisation and weight publishing."""
 
-    lr: float = attrs.field(default=1e-3, validator=_positive)  # AdamW's learning rate after warm-up
+    lr: float = attrs.field(default=1e-3, validator=positive)  # AdamW's learning rate after warm-up
     # AdamW's decoupled weight decay, on matrices only (not norms or biases); the SFT
     # warm-up uses it too
-    weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+    weight_decay: float = attrs.field(default=0.0, validator=non_negative)
     # gradients are clipped to this global L2 norm (over every shard) before each step
-    max_grad_norm: float = attrs.field(default=1.0, validator=_positive)
+    max_grad_norm: float = attrs.field(default=1.0, validator=positive)
     # optimizer steps of linear LR warm-up, from lr / warmup_steps up to lr (0 = none)
-    warmup_steps: int = attrs.field(default=0, validator=_non_negative)
+    warmup_steps: int = attrs.field(default=0, validator=non_negative)
     # the LR after warm-up: "constant", or a "cosine" or "linear" decay to 0 at max_steps
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     # tokens per packed training row; every sample (prompt + completion) must fit in one
-    seq_len: int = attrs.field(default=2048, validator=_positive)
+    seq_len: int = attrs.field(default=2048, validator=positive)
     # packed rows per forward: gradients accumulate over a step's forwards, so this trades
     # memory for speed and leaves the update unchanged
-    micro_batch_rows: int = attrs.field(default=8, validator=_positive)
+    micro_batch_rows: int = attrs.field(default=8, validator=positive)
     # samples with the same prompt (a GRPO group) run it once: the prompt's positions are
     # packed once per row with each sample's own positions branching off it (a prompt tree),
     # the same logprobs and gradients for fewer positions. Off for models with recurrent
@@ -278,13 +119,13 @@ class TrainerConfig:
     routing_metrics: bool = True
     # aux-loss-free MoE load balancing: per-step move of the routers' correction bias
     # (DeepSeek-V3 uses 1e-3 in pretraining; 0 leaves a pretrained model's routing alone)
-    router_bias_update_rate: float = attrs.field(default=0.0, validator=_non_negative)
+    router_bias_update_rate: float = attrs.field(default=0.0, validator=non_negative)
     # steps between resumable checkpoints under checkpoints/ (weights, optimizer, scheduler,
     # RNG, the orchestrator's data position); 0 = only at the end. The same command run again
     # into the same output_dir resumes from the newest usable one
-    checkpoint_every: int = attrs.field(default=25, validator=_non_negative)
+    checkpoint_every: int = attrs.field(default=25, validator=non_negative)
     # the newest checkpoints kept (older ones are deleted once a new one is complete); 0 = all
-    keep_checkpoints: int = attrs.field(default=3, validator=_non_negative)
+    keep_checkpoints: int = attrs.field(default=3, validator=non_negative)
     # how weights reach inference: "filesystem" (HF checkpoints in the run directory, any
     # node), "shm" (/dev/shm, servers on the trainer's machine adopt them without a copy)
     # or "nccl" (broadcast from the trainer's GPU to vLLM's workers; GPUs and the vllm backend)
@@ -295,12 +136,12 @@ class TrainerConfig:
     parallelism: str = "auto"
     # trainer processes (ranks) per node, started with torchrun when more than one; on
     # GPUs usually one per GPU
-    nproc: int = attrs.field(default=1, validator=_positive)
+    nproc: int = attrs.field(default=1, validator=positive)
     # CPU threads of the trainer (its ranks split them); 0: its share of the cores (with
     # three roles on one machine, half of them). More than its share overlaps the cores the
     # engine leaves idle (worth it on matmul-bound models: bench/utilisation.py); the
     # launcher then makes idle OpenMP threads sleep instead of spin (OMP_WAIT_POLICY)
-    threads: int = attrs.field(default=0, validator=_non_negative)
+    threads: int = attrs.field(default=0, validator=non_negative)
     # where the trainer runs: "auto" is CUDA when present (bf16 compute, fp32 master
     # weights), else the CPU (fp32)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -373,8 +214,8 @@ class SourceConfig:
 
     name: str = attrs.field(validator=_source_name)  # names its metrics: reward/<name>/mean
     env: EnvConfig = attrs.field(factory=lambda: EnvConfig())  # the env and its options, as [env] takes them
-    ratio: float = attrs.field(default=1.0, validator=_positive)  # its share of every batch's samples
-    group_size: int = attrs.field(default=0, validator=_non_negative)  # samples per task; 0: orchestrator.group_size
+    ratio: float = attrs.field(default=1.0, validator=positive)  # its share of every batch's samples
+    group_size: int = attrs.field(default=0, validator=non_negative)  # samples per task; 0: orchestrator.group_size
     advantage: str = ""  # its advantage estimator; "": orchestrator.advantage
     advantage_options: dict[str, Any] = attrs.field(factory=dict)  # its estimator's options (with its own advantage)
 
@@ -387,8 +228,8 @@ class EvalSourceConfig:
 
     name: str = attrs.field(validator=_source_name)
     env: EnvConfig = attrs.field(factory=lambda: EnvConfig())
-    every: int = attrs.field(default=10, validator=_positive)  # batches between its evaluations
-    tasks: int = attrs.field(default=64, validator=_positive)
+    every: int = attrs.field(default=10, validator=positive)  # batches between its evaluations
+    tasks: int = attrs.field(default=64, validator=positive)
     split: str = "eval"  # the env's task split it evaluates
 
 
@@ -397,24 +238,24 @@ class OrchestratorConfig:
     """The ``[orchestrator]`` section: rollouts, advantages, batches, staleness."""
 
     # samples per trainer step (one rollout batch); a multiple of group_size
-    batch_size: int = attrs.field(default=64, validator=_positive)
+    batch_size: int = attrs.field(default=64, validator=positive)
     # samples per prompt: the group whose rewards each advantage is relative to
-    group_size: int = attrs.field(default=8, validator=_positive)
-    max_tokens: int = attrs.field(default=64, validator=_positive)  # most tokens sampled per model turn
+    group_size: int = attrs.field(default=8, validator=positive)
+    max_tokens: int = attrs.field(default=64, validator=positive)  # most tokens sampled per model turn
     # sampling temperature of the training rollouts (0 = greedy)
-    temperature: float = attrs.field(default=1.0, validator=_non_negative)
+    temperature: float = attrs.field(default=1.0, validator=non_negative)
     # nucleus sampling: only the most likely tokens holding this much probability; in (0, 1], 1 = off
     top_p: float = 1.0
     # samples in flight at once (whole groups are started, at least one)
-    max_concurrent: int = attrs.field(default=256, validator=_positive)
+    max_concurrent: int = attrs.field(default=256, validator=positive)
     # processes running multi-turn and agent env code, so a hung or crashed env costs one group
-    env_workers: int = attrs.field(default=4, validator=_positive)
+    env_workers: int = attrs.field(default=4, validator=positive)
     # how far generation runs ahead of training: with inference at policy version v, groups
     # of batches up to v + 1 + async_level may start (0 = synchronous, on-policy)
-    async_level: int = attrs.field(default=1, validator=_non_negative)
+    async_level: int = attrs.field(default=1, validator=non_negative)
     # samples whose oldest token is more than this many policy versions older than their
     # batch's (n - 1 for batch n) are dropped, counted in dropped_stale; >= async_level
-    max_off_policy_steps: int = attrs.field(default=8, validator=_non_negative)
+    max_off_policy_steps: int = attrs.field(default=8, validator=non_negative)
     # the advantage estimator (register_advantages, or a "module:factory"): grpo (reward
     # minus the group mean), grpo_std (divided by the group's std), rloo, reinforce_pp
     advantage: str = "grpo"
@@ -426,20 +267,20 @@ class OrchestratorConfig:
     skip_uniform_groups: bool = False
     # DAPO's soft overlong punishment: a model turn within this many tokens of max_tokens
     # loses up to overlong_penalty of reward for the advantage (0 = off)
-    overlong_buffer: int = attrs.field(default=0, validator=_non_negative)
+    overlong_buffer: int = attrs.field(default=0, validator=non_negative)
     # the most reward a turn that reaches max_tokens loses (linear over the buffer)
-    overlong_penalty: float = attrs.field(default=1.0, validator=_non_negative)
+    overlong_penalty: float = attrs.field(default=1.0, validator=non_negative)
     # stop the run when this many rollout groups fail in a row with none succeeding in
     # between: the env cannot run its tasks (a missing sandbox, a broken harness)
-    max_failed_groups: int = attrs.field(default=16, validator=_positive)
+    max_failed_groups: int = attrs.field(default=16, validator=positive)
     # evaluation on the env's "eval" split every eval_every batches (0 = never): each task
     # once at eval_temperature (0 = greedy), logged as eval/* with the batch after it ends
-    eval_every: int = attrs.field(default=0, validator=_non_negative)
-    eval_tasks: int = attrs.field(default=64, validator=_positive)  # evaluate the eval split's first this many tasks
+    eval_every: int = attrs.field(default=0, validator=non_negative)
+    eval_tasks: int = attrs.field(default=64, validator=positive)  # evaluate the eval split's first this many tasks
     # sampling temperature of evaluations (0 = greedy)
-    eval_temperature: float = attrs.field(default=0.0, validator=_non_negative)
+    eval_temperature: float = attrs.field(default=0.0, validator=non_negative)
     # episodes per eval task: the mean reward is over all of them, pass@k reported up to this
-    eval_samples: int = attrs.field(default=1, validator=_positive)
+    eval_samples: int = attrs.field(default=1, validator=positive)
     # several environments trained together ([[orchestrator.sources]]: name, env, ratio,
     # group_size, advantage), mixed in every batch by ratio; empty: [env] alone (--env is
     # the short form of one source)
@@ -472,26 +313,12 @@ class SftConfig:
     improve. ``steps = 0`` skips it (the usual case for a pretrained checkpoint).
     """
 
-    steps: int = attrs.field(default=0, validator=_non_negative)  # optimizer steps of the warm-up; 0 = none
+    steps: int = attrs.field(default=0, validator=non_negative)  # optimizer steps of the warm-up; 0 = none
     # the warm-up's own AdamW learning rate (constant; trainer.weight_decay and
     # trainer.max_grad_norm apply)
-    lr: float = attrs.field(default=3e-3, validator=_positive)
+    lr: float = attrs.field(default=3e-3, validator=positive)
     # tasks of the env's train split (cycled) per warm-up step, one reference answer each
-    batch_size: int = attrs.field(default=32, validator=_positive)
-
-
-@attrs.define(kw_only=True)
-class LauncherConfig:
-    """The ``[launcher]`` section; a launcher declaring a ``Config`` (a subclass) adds its keys."""
-
-    # the launcher plugin (register_launchers) that starts inference, orchestrator and
-    # trainer: "local" runs them all on this machine, "slurm" submits them as a Slurm job
-    # (its own keys: docs/slurm.md); `primerl run --launcher NAME` sets it
-    name: str = "local"
-
-    def trainer_nodes_used(self) -> int:
-        """The nodes the trainer's ranks span (one unless the launcher's Config says more)."""
-        return 1
+    batch_size: int = attrs.field(default=32, validator=positive)
 
 
 @attrs.define(kw_only=True)
@@ -502,7 +329,7 @@ class WatchdogConfig:
 
     # seconds without progress (no rollout, batch or trainer step anywhere) before the
     # watchdog reports; 0: off
-    stall_timeout_s: float = attrs.field(default=600.0, validator=_non_negative)
+    stall_timeout_s: float = attrs.field(default=600.0, validator=non_negative)
     # after the report: "exit" stops the run (exit code 3), "wait" keeps it going and
     # reports again after another stall_timeout_s without progress
     on_stall: str = attrs.field(default="exit", validator=attrs.validators.in_(("exit", "wait")))
@@ -516,7 +343,7 @@ class RunConfig:
     # (docs/architecture.md); a rerun into it resumes from its newest checkpoint
     output_dir: str = "outputs/run"
     # trainer steps (one rollout batch each); also where a cosine or linear LR decay ends
-    max_steps: int = attrs.field(default=100, validator=_positive)
+    max_steps: int = attrs.field(default=100, validator=positive)
     # the run's seed: the trainer's torch and Python RNGs, the order of the env's tasks, vLLM's --seed
     seed: int = 0
     model: ModelConfig = attrs.field(factory=ModelConfig)  # [model]: checked by the model plugin's Config
@@ -597,19 +424,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-_LAST_PART = re.compile(r"(\.[^.\[\]]*|\[\d+\])$")  # ".key" or "[i]" at the end of a key path
-
-
-def _src(sources: Mapping[str, str], path: str) -> str:
-    """Where the value at ``path`` came from: its own origin, else that of the nearest table
-    or list it sits in (``orchestrator.sources[0].name`` inside a list a file gave), else
-    the defaults."""
-    while path and path not in sources:
-        last = _LAST_PART.search(path)
-        path = path[:last.start()] if last else ""
-    return f"from {sources[path]}" if path else "from the defaults"
-
-
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
@@ -651,134 +465,6 @@ def set_dotted(data: dict, dotted: str, value: Any, origin: str, sources: dict[s
     for part in reversed(parts):
         nested = {part: nested}
     merge_into(data, nested, origin, sources)
-
-
-# --------------------------------------------------------------------------------------
-# Typed layer: raw dict -> attrs instances, with errors that say where and what.
-# --------------------------------------------------------------------------------------
-
-
-# keys that became a component's options: the error names where they went
-MOVED_KEYS = {
-    "trainer.kl_coef": "the default loss's trainer.loss_options.kl_tau",
-    "trainer.mask_threshold": "the default loss's trainer.loss_options.dppo_mask_low and dppo_mask_high",
-}
-
-
-def structure(cls: type, data: Any, path: str, sources: Mapping[str, str]) -> Any:
-    where = path or "the top level"
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"'{where}' must be a table, got {type(data).__name__} ({_src(sources, path)})")
-    fields = {f.name: f for f in attrs.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            full = f"{path}.{key}" if path else key
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            if full in MOVED_KEYS:
-                hint = f" It is now {MOVED_KEYS[full]}."
-            origin = sources.get(full) or _first_source_under(sources, full)
-            raise ConfigError(
-                f"unknown key '{full}' ({'from ' + origin if origin else 'no source'}).{hint} "
-                f"Allowed keys in '{where}': {', '.join(fields)}"
-            )
-    kwargs = {}
-    for key, value in data.items():
-        full = f"{path}.{key}" if path else key
-        kwargs[key] = convert(hints[key], value, full, sources)
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as exc:
-        bad = _which_field(exc, kwargs, fields)
-        full = f"{path}.{bad}" if path and bad else (bad or where)
-        reason = str(exc.args[0]) if exc.args else str(exc)
-        if bad and reason.startswith(f"{bad}:"):
-            reason = reason[len(bad) + 1 :].strip()
-        raise ConfigError(f"invalid value for '{full}' ({_src(sources, full)}): {reason}") from None
-
-
-def _first_source_under(sources: Mapping[str, str], prefix: str) -> str | None:
-    for k, v in sources.items():
-        if k.startswith(prefix + "."):
-            return v
-    return None
-
-
-def _which_field(exc: Exception, kwargs: Mapping[str, Any], fields: Mapping[str, Any] = {}) -> str | None:
-    """The field a validator rejected: attrs' own validators pass the Attribute in the
-    exception's args; ours start their message with "name:" (a default that must be set
-    names a field missing from kwargs)."""
-    for arg in getattr(exc, "args", ()):
-        if isinstance(arg, attrs.Attribute):
-            return arg.name
-    text = str(exc.args[0]) if exc.args else ""
-    for key in [*kwargs, *fields]:
-        if text.startswith(f"{key}:"):
-            return key
-    return next(iter(kwargs), None) if len(kwargs) == 1 else None
-
-
-def _type_name(tp: Any) -> str:
-    if tp is type(None):
-        return "nothing (omit the key)"
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def convert(tp: Any, value: Any, path: str, sources: Mapping[str, str]) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-
-    def fail(expected: str) -> ConfigError:
-        return ConfigError(
-            f"'{path}' must be {expected}, got {value!r} ({type(value).__name__}, {_src(sources, path)})"
-        )
-
-    if attrs.has(tp):
-        return structure(tp, value, path, sources)
-    if origin in (Union, types.UnionType):
-        non_none = [a for a in args if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
-            return None
-        errors = []
-        for a in non_none:
-            try:
-                return convert(a, value, path, sources)
-            except ConfigError as exc:
-                errors.append(exc)
-        raise fail(" or ".join(_type_name(a) for a in non_none))
-    if origin is Literal:
-        if value not in args:
-            raise fail("one of " + ", ".join(repr(a) for a in args))
-        return value
-    if origin in (list, tuple):
-        if not isinstance(value, list | tuple):
-            raise fail(f"a list of {_type_name(args[0]) if args else 'values'}")
-        item = args[0] if args else Any
-        return [convert(item, v, f"{path}[{i}]", sources) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise fail("a table")
-        return {k: convert(args[1], v, f"{path}.{k}", sources) for k, v in value.items()}
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise fail("true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise fail("an integer")
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise fail("a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise fail("a string")
-    return value
 
 
 # --------------------------------------------------------------------------------------
@@ -854,8 +540,6 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
     """Resolve a RunConfig; plugin sections are checked by the selected plugin's Config class.
     ``origins``, when given, is filled with where each set key came from (key path -> a file,
     the command line, an env's run defaults...)."""
-    from primerl.registry import get_registry
-
     raw, sources = build_raw(src, explicit)
     if origins is not None:  # the caller's dict, filled as the layers below add theirs
         origins.update(sources)
@@ -869,35 +553,10 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
                               f"on: list every environment as a source, or give [env] (--env) alone")
         raw["env"] = _source_env(listed["sources"][0], "orchestrator.sources[0]", sources, reg)[0]
     _model_from_checkpoint(raw, sources, reg)
-    plugin_sections = {"model": "model", "env": "env"}
-    plugin_classes: dict[str, type] = {}
-    for section, kind in plugin_sections.items():
-        table = raw.get(section, {})
-        if not isinstance(table, Mapping):
-            raise ConfigError(f"'{section}' must be a table ({_src(sources, section)})")
-        default = attrs.fields_dict(RunConfig)[section].default.factory().name
-        name = table.get("name", default)
-        if not isinstance(name, str):
-            raise ConfigError(f"{section}.name = {name!r} ({_src(sources, section + '.name')}) must be a string: "
-                              f"the name of an installed {kind} plugin (primerl plugins list)")
-        try:
-            target = reg.load(kind, name)
-        except PluginError as exc:
-            raise ConfigError(f"{section}.name = {name!r} ({_src(sources, section + '.name')}): {exc}") from None
-        cfg_cls = getattr(target, "Config", None)
-        base = ModelConfig if section == "model" else EnvConfig
-        if cfg_cls is None:
-            cfg_cls = base
-        elif not (isinstance(cfg_cls, type) and issubclass(cfg_cls, base)):
-            raise ConfigError(
-                f"{kind} plugin '{name}' declares Config={cfg_cls!r}, which is not a subclass of "
-                f"primerl's {base.__name__}; fix the plugin"
-            )
-        plugin_classes[section] = cfg_cls
+    plugin_classes = {"model": section_class(raw, sources, reg, "model.name", "model", ModelConfig),
+                      "env": section_class(raw, sources, reg, "env.name", "env", EnvConfig)}
     # An environment may suggest run settings (max_tokens, SFT warm-up...) via
     # `run_defaults`; they sit below every file and override the user gives.
-    from primerl.envs import Environment
-
     env_name = raw.get("env", {}).get("name", EnvConfig().name)
     env_cls = reg.load("env", env_name)
     if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
@@ -919,9 +578,9 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
         raw = merged
         for path, origin in default_sources.items():
             sources.setdefault(path, origin)
-    inference_cls = _inference_config_class(raw, sources, reg)
-    launcher_cls = _plugin_config_class(raw, sources, reg, "launcher.name", "launcher", LauncherConfig)
-    top = {k: v for k, v in raw.items() if k not in plugin_sections and k not in ("inference", "launcher", "monitors")}
+    inference_cls = section_class(raw, sources, reg, "inference.backend", "inference_backend", InferenceConfig)
+    launcher_cls = section_class(raw, sources, reg, "launcher.name", "launcher", LauncherConfig)
+    top = {k: v for k, v in raw.items() if k not in plugin_classes and k not in ("inference", "launcher", "monitors")}
     cfg = structure(RunConfig, top, "", sources)
     cfg.monitors = _structure_monitors(raw.get("monitors", {}), sources, reg)
     for section, cls in plugin_classes.items():
@@ -934,20 +593,12 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
         _structure_source(EvalSourceConfig, t, f"orchestrator.eval_sources[{i}]", sources, reg)
         for i, t in enumerate(listed["eval_sources"])]
     cfg.check(sources)
-    _check_model(cfg, reg, sources)
-    _check_components(cfg, reg, sources)
-    _check_algorithms(cfg, sources)
-    _check_pd(cfg, sources)
-    cfg.inference.check(cfg, sources)  # the backend's rules that need the whole run
     return cfg
 
 
 def _model_from_checkpoint(raw: dict[str, Any], sources: dict[str, str], reg: Any) -> None:
     """``--model.checkpoint`` without ``--model``: the plugin the checkpoint names (a packaged
     checkpoint's own ``model``), else the one made for its ``model_type``, else ``hf``."""
-    from primerl.models import plugin_for_model_type
-    from primerl.models.sources import is_checkpoint_name, model_type_of, packaged
-
     table = raw.get("model")
     if not isinstance(table, dict) or "name" in table or not isinstance(table.get("checkpoint"), str):
         return
@@ -988,11 +639,8 @@ def _source_env(table: dict[str, Any], path: str, sources: Mapping[str, str], re
     if not isinstance(env, Mapping) or not isinstance(env.get("name"), str):
         raise ConfigError(f"{path}.env ({_src(sources, path + '.env')}) must be a table with the env's name, "
                           f"e.g. env = {{name = \"wordle\"}}")
-    try:
-        target = reg.load("env", env["name"])
-    except PluginError as exc:
-        raise ConfigError(f"{path}.env.name = {env['name']!r} ({_src(sources, path + '.env.name')}): {exc}") from None
-    return dict(env), getattr(target, "Config", None) or EnvConfig
+    label = f"{path}.env.name = {env['name']!r} ({_src(sources, path + '.env.name')})"
+    return dict(env), config_class(reg, "env", env["name"], EnvConfig, label=label)
 
 
 def _structure_source(cls: type, table: dict[str, Any], path: str, sources: Mapping[str, str], reg: Any) -> Any:
@@ -1008,8 +656,6 @@ def _structure_monitors(raw: Any, sources: Mapping[str, str], reg: Any) -> dict[
     """The ``[monitors.<name>]`` tables, each checked by its monitor's ``Config``: a table with
     any key switches its monitor on unless it says ``enabled = false``. Always-on monitors
     (file) come first, switched on, whether named or not."""
-    from primerl.monitors import with_always_on
-
     if not isinstance(raw, Mapping):
         raise ConfigError(f"'monitors' ({_src(sources, 'monitors')}) must be a table of tables, one per monitor: "
                           f"e.g. --monitors.wandb.project NAME, or [monitors.tensorboard] enabled = true")
@@ -1023,14 +669,7 @@ def _structure_monitors(raw: Any, sources: Mapping[str, str], reg: Any) -> dict[
         registered = {c.name for c in reg.of_kind("monitor")}
         if name not in registered and name.replace("_", "-") in registered:
             name = name.replace("_", "-")  # --monitors.my-monitor.key: the command line turns '-' into '_'
-        try:
-            target = reg.load("monitor", name)
-        except PluginError as exc:
-            raise ConfigError(f"{path} (from {where}): {exc}") from None
-        cls = getattr(target, "Config", None) or MonitorConfig
-        if not (isinstance(cls, type) and issubclass(cls, MonitorConfig)):
-            raise ConfigError(f"monitor plugin '{name}' declares Config={cls!r}, which is not a subclass of "
-                              f"primerl's MonitorConfig; fix the plugin")
+        cls = config_class(reg, "monitor", name, MonitorConfig, label=f"{path} (from {where})")
         options = structure(cls, table, path, sources)
         caps = reg.capabilities("monitor", name)
         if "enabled" not in table:
@@ -1043,188 +682,6 @@ def _structure_monitors(raw: Any, sources: Mapping[str, str], reg: Any) -> dict[
         return with_always_on(out, reg)
     except PluginError as exc:
         raise ConfigError(f"monitors: an always-on monitor does not load: {exc}") from None
-
-
-def _inference_config_class(raw: Mapping[str, Any], sources: Mapping[str, str], reg: Any) -> type:
-    """The class that validates ``[inference]``: the selected backend's ``Config`` (a subclass
-    of InferenceConfig adding its own keys, and optionally ``check(run, sources)`` for rules
-    that span sections), else InferenceConfig."""
-    return _plugin_config_class(raw, sources, reg, "inference.backend", "inference_backend", InferenceConfig)
-
-
-def _plugin_config_class(raw: Mapping[str, Any], sources: Mapping[str, str], reg: Any, key: str, kind: str,
-                         base: type) -> type:
-    """The class that validates the section of ``key`` (``section.field`` naming a plugin of
-    ``kind``): that plugin's ``Config`` attribute, a subclass of ``base``, else ``base``."""
-    section, _, field = key.partition(".")
-    table = raw.get(section, {})
-    if not isinstance(table, Mapping):
-        raise ConfigError(f"'{section}' must be a table ({_src(sources, section)})")
-    name = table.get(field, getattr(base(), field))
-    if not isinstance(name, str):
-        return base  # structure() names the wrong type
-    try:
-        target = reg.load(kind, name)
-    except PluginError as exc:
-        raise ConfigError(f"{key} = {name!r} ({_src(sources, key)}): {exc}") from None
-    cls = getattr(target, "Config", None)
-    if cls is None:
-        return base
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ConfigError(
-            f"{kind} plugin '{name}' declares Config={cls!r}, which is not a subclass of "
-            f"primerl's {base.__name__}; fix the plugin"
-        )
-    return cls
-
-
-# config key -> the plugin kind it names (the plugin sections [model] and [env] are checked above)
-COMPONENT_KEYS = {
-    "inference.backend": "inference_backend",
-    "inference.router": "router",
-    "inference.kv_store": "kv_store",
-    "trainer.parallelism": "parallelism",
-    "launcher.name": "launcher",
-    "trainer.loss": "loss",
-    "trainer.correction": "correction",
-    "orchestrator.advantage": "advantage",
-}
-
-
-# a component key -> the key holding its constructor's keyword arguments
-OPTIONS_KEYS = {"inference.router": "inference.router_options", "inference.kv_store": "inference.kv_store_options"}
-
-
-# what a trainer setting asks of the model: (key, is it asked, does ModelCapabilities grant it, in words, the fix)
-MODEL_NEEDS = (
-    ("trainer.parallel.ep", lambda t: t.parallel.ep > 1, lambda c: c.expert_parallel, "expert parallel", "set it to 1"),
-    ("trainer.parallel.cp", lambda t: t.parallel.cp > 1, lambda c: c.context_parallel, "context parallel", "set it to 1"),
-    ("trainer.router_replay", lambda t: t.router_replay, lambda c: c.router_replay, "router replay", "leave it off"),
-    ("trainer.fp8", lambda t: t.fp8, lambda c: c.fp8, "FP8 training", "leave it off"),
-    ("trainer.lora.rank", lambda t: t.lora.rank > 0, lambda c: c.lora, "LoRA", "set it to 0"),
-)
-
-
-def _check_model(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
-    """Trainer settings the model must support (its plugin's ModelCapabilities for this
-    preset or checkpoint): refused here, naming the key, not in a rank minutes later."""
-    adapter = reg.load("model", cfg.model.name)()
-    try:
-        caps = adapter.capabilities(cfg.model)
-    except (OSError, ValueError, PrimerlError) as exc:
-        key = "model.checkpoint" if cfg.model.checkpoint else "model.preset"
-        raise ConfigError(f"{key} ({_src(sources, key)}): {exc}") from None
-    for key, asked, granted, words, fix in MODEL_NEEDS:
-        if asked(cfg.trainer) and not granted(caps):
-            what = f"checkpoint {cfg.model.checkpoint}" if cfg.model.checkpoint else f"preset '{cfg.model.preset}'"
-            raise ConfigError(f"{key} ({_src(sources, key)}): model '{cfg.model.name}' ({what}) does not support "
-                              f"{words}: {fix}")
-
-
-def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
-    """Every key that names a plugin names one that is installed and loads, so a typo
-    fails here, naming the key, instead of in a process minutes into the run."""
-    from primerl.registry import is_target
-    for key, kind in COMPONENT_KEYS.items():
-        section, _, field = key.partition(".")
-        table = getattr(cfg, section)
-        if field not in attrs.fields_dict(type(table)):
-            continue
-        name = getattr(table, field)
-        if (key == "inference.backend" and cfg.trainer.weight_channel == "nccl"
-                and reg.capabilities(kind, name).weight_sender is None):
-            raise ConfigError(
-                f"trainer.weight_channel = 'nccl' ({_src(sources, 'trainer.weight_channel')}) sends weights "
-                f"straight to the inference servers, which inference.backend {name!r} cannot receive: use "
-                f"--inference.backend vllm on GPUs, or --trainer.weight_channel filesystem (or shm)")
-        if key == "trainer.parallelism":
-            name = cfg.trainer.resolved_parallelism()
-        if key == "trainer.correction" and not name:
-            continue  # none
-        try:
-            reg.find(kind, name)
-        except PluginError as exc:
-            if kind in ("loss", "correction", "advantage") and is_target(name):
-                continue  # a "module:attr" function, imported (and checked) by the process that uses it
-            raise ConfigError(f"{key} = {name!r} ({_src(sources, key)}): {exc}") from None
-        options_key = OPTIONS_KEYS.get(key)
-        if options_key and getattr(cfg.inference, options_key.partition(".")[2]):
-            from primerl.registry import options_problem
-
-            why = options_problem(kind, name, getattr(cfg.inference, options_key.partition(".")[2]))
-            if why:
-                where = _first_source_under(sources, options_key) or "the defaults"
-                raise ConfigError(f"{options_key} (from {where}) do not fit {kind} {name!r}: {why}")
-
-
-def _check_algorithms(cfg: RunConfig, sources: Mapping[str, str]) -> None:
-    """The loss, the correction and every advantage estimator build with their options (each
-    checks its own), and what they need of the run: a sequence-level one needs every token
-    of a sample in one forward, which context parallel does not give."""
-    from primerl.algorithms import build_advantage, build_correction, build_loss
-    from primerl.registry import is_target
-
-    t, o = cfg.trainer, cfg.orchestrator
-    picks = [("trainer.loss", t.loss, "trainer.loss_options", t.loss_options, build_loss),
-             ("trainer.correction", t.correction, "trainer.correction_options", t.correction_options, build_correction),
-             ("orchestrator.advantage", o.advantage, "orchestrator.advantage_options", o.advantage_options,
-              build_advantage)]
-    for i, sc in enumerate(o.sources):
-        if sc.advantage:
-            picks.append((f"orchestrator.sources[{i}].advantage", sc.advantage,
-                          f"orchestrator.sources[{i}].advantage_options", sc.advantage_options, build_advantage))
-    for key, name, options_key, options, build in picks:
-        if not name or is_target(name):
-            if options and not name:
-                raise ConfigError(f"{options_key} ({_src_under(sources, options_key)}) set, but {key} names no "
-                                  f"component: name one, or drop the options")
-            continue  # a "module:attr" factory is built (and checked) by the process that uses it
-        try:
-            built = build(name, options)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{options_key} ({_src_under(sources, options_key)}) do not fit {key} {name!r}: "
-                              f"{exc}") from None
-        if key.startswith("trainer.") and built.sequence_level and t.parallel.cp > 1:
-            raise ConfigError(f"{key} = {name!r} ({_src(sources, key)}) works on whole sequences, which context "
-                              f"parallel (trainer.parallel.cp = {t.parallel.cp}) splits over ranks: set cp to 1, "
-                              f"or pick a token-level one")
-    if o.overlong_buffer >= o.max_tokens:
-        raise ConfigError(f"orchestrator.overlong_buffer ({o.overlong_buffer}, {_src(sources, 'orchestrator.overlong_buffer')}) "
-                          f"must be below orchestrator.max_tokens ({o.max_tokens}): the buffer is the last tokens "
-                          f"before the budget")
-
-
-def _src_under(sources: Mapping[str, str], prefix: str) -> str:
-    where = sources.get(prefix) or _first_source_under(sources, prefix)
-    return f"from {where}" if where else "from the defaults"
-
-
-def _check_pd(cfg: RunConfig, sources: Mapping[str, str]) -> None:
-    """Prefill/decode disaggregation's rules that hold for every backend: both pools or
-    neither, not mixed with ``replicas``, and a launcher that starts the two pools. How KV
-    travels from a prefill to a decode server is the backend's rule (its ``Config.check``)."""
-    from primerl.registry import get_registry
-
-    inf = cfg.inference
-    p, d = inf.prefill_replicas, inf.decode_replicas
-    if not p and not d:
-        return
-    if not p or not d:
-        given, missing = ("prefill_replicas", "decode_replicas") if p else ("decode_replicas", "prefill_replicas")
-        raise ConfigError(
-            f"inference.{given} ({getattr(inf, given)}, {_src(sources, 'inference.' + given)}) needs "
-            f"inference.{missing} too: prefill/decode disaggregation runs both pools (set both, or neither "
-            f"for whole-request servers)")
-    if not get_registry().capabilities("launcher", cfg.launcher.name).supports_pd:
-        raise ConfigError(
-            f"inference.prefill_replicas / decode_replicas ({p} / {d}): launcher.name = {cfg.launcher.name!r} "
-            f"({_src(sources, 'launcher.name')}) does not start prefill and decode server pools: use "
-            f"--inference.replicas there, or a launcher that does (local, slurm)")
-    if "inference.replicas" in sources and inf.replicas != 1:
-        raise ConfigError(
-            f"inference.replicas ({inf.replicas}, {_src(sources, 'inference.replicas')}) and "
-            f"inference.prefill_replicas / decode_replicas ({p} / {d}) both say how many servers to start: "
-            f"with prefill/decode the two pools replace replicas; drop inference.replicas")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

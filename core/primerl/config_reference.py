@@ -42,7 +42,10 @@ so is `[inference]` when the backend declares one (vLLM's keys: `docs/vllm.md`),
 `[monitors.<name>]` table by its monitor's (their keys: `docs/monitors.md`).
 
 This file is generated from the config classes and their source comments
-(`core/primerl/config.py`, `ModelConfig` in `core/primerl/models/__init__.py`):
+(`core/primerl/config.py` and the contract modules that own theirs: `ModelConfig` in
+`core/primerl/models/__init__.py`, `EnvConfig` in `core/primerl/envs/__init__.py`, `InferenceConfig` in
+`core/primerl/inference.py`, `ParallelConfig` in `core/primerl/parallel.py`, `LauncherConfig` in
+`core/primerl/launchers.py`, `MonitorConfig` in `core/primerl/monitors.py`):
 after changing a key, run `python -m primerl.config_reference > docs/configuration.md`.
 """
 

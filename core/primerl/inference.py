@@ -37,8 +37,118 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
 
 import attrs
 
+from primerl.validators import non_negative, positive
+
 if TYPE_CHECKING:  # pragma: no cover
     from primerl.config import RunConfig
+
+
+@attrs.define(kw_only=True)
+class InferenceConfig:
+    """The ``[inference]`` section: the server(s) that generate rollouts."""
+
+    # the inference backend plugin (register_inference_backends): "embedded" (primerl's own
+    # engine, CPU or GPU) or "vllm" (its own keys: docs/vllm.md)
+    backend: str = "embedded"
+    # the router plugin in front of the inference servers (the orchestrator talks to one endpoint)
+    router: str = "round-robin"
+    # keyword arguments of the router's constructor (docs/routers.md lists each router's),
+    # e.g. [inference.router_options] policy = "consistent_hash"
+    router_options: dict[str, Any] = attrs.field(factory=dict)
+    host: str = "127.0.0.1"  # address the inference server listens on and the orchestrator calls
+    # the server's HTTP port (OpenAI API + admin); 0, or a port in use, makes the local
+    # launcher pick a free one
+    port: int = attrs.field(default=8000, validator=non_negative)
+    # inference servers (replicas of the same policy) the launcher starts; the orchestrator
+    # spreads requests over them through the router, re-sends a dead one's requests to
+    # another, and readmits it with the current weights when its /health answers again
+    replicas: int = attrs.field(default=1, validator=positive)
+    # local and slurm launchers: times each inference server that exits while another one serves
+    # is started again on its port (the orchestrator readmits it with the current weights);
+    # past that, or with no other server up, it stays down (and with none up the run stops)
+    max_restarts: int = attrs.field(default=3, validator=non_negative)
+    # the servers' base URLs ("http://host:port") the orchestrator and trainer call; empty:
+    # replica i on host:port+i. The local launcher sets it to the ports it picked
+    urls: list[str] = attrs.field(factory=list)
+    # prefill/decode disaggregation (docs/kv_stores.md, "Prefill/decode"): this many servers
+    # only prefill prompts and hand their KV, through the KV store, to decode_replicas servers
+    # that sample; the embedded engine needs a KV store every server shares (disk, whose
+    # directory the launcher puts under the run directory, or mooncake). 0 and 0: off; when
+    # set, the two replace replicas
+    prefill_replicas: int = attrs.field(default=0, validator=non_negative)
+    # with prefill_replicas: the servers that load each prompt's KV from the store and sample
+    decode_replicas: int = attrs.field(default=0, validator=non_negative)
+    # with prefill/decode: the prefill servers' base URLs (urls then lists every server,
+    # prefill first: weight updates reach them all); empty: prefill server i on host:port+i.
+    # The local launcher sets it
+    prefill_urls: list[str] = attrs.field(factory=list)
+    # with prefill/decode: the decode servers' base URLs; empty: decode server j on
+    # host:port+prefill_replicas+j. The local launcher sets it
+    decode_urls: list[str] = attrs.field(factory=list)
+    # this server's part with prefill/decode, set per server by the launcher: "both" (whole
+    # requests), "prefill" or "decode". The embedded engine serves either phase on request;
+    # vLLM gets the matching KV connector role (kv_producer / kv_consumer)
+    role: Literal["both", "prefill", "decode"] = "both"
+    # sequences decoded together (vLLM's --max-num-seqs); the embedded engine also refuses
+    # a request for more samples (n) than this
+    max_batch_size: int = attrs.field(default=64, validator=positive)
+    # most tokens of one sequence, prompt + completion (vLLM's --max-model-len)
+    max_model_len: int = attrs.field(default=1024, validator=positive)
+    # embedded engine: sequences its KV cache holds, each max_model_len long (running ones
+    # and idle cached prefixes); at least max_batch_size, more leaves room for prefix reuse
+    kv_slots: int = attrs.field(default=128, validator=positive)
+    # "float32", "bfloat16" or "float16" for the served model; None: the model section's dtype
+    dtype: str | None = None
+    # KV store plugin (register_kv_stores) that keeps finished sequences' KV for prefix reuse
+    kv_store: str = "memory"
+    # keyword arguments of the KV store's constructor (docs/kv_stores.md lists each store's),
+    # e.g. [inference.kv_store_options] max_bytes = 17179869184
+    kv_store_options: dict[str, Any] = attrs.field(factory=dict)
+    # where the engine runs: "auto" is CUDA when torch sees a GPU, else the CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # the key every request must carry (Authorization: Bearer KEY); needed to bind a host
+    # other than loopback. PRIMERL_API_KEY in the environment keeps it out of config.toml.
+    api_key: str | None = None
+    # sequences that may wait for the engine; beyond it requests get 503 (Retry-After)
+    max_queue: int = attrs.field(default=4096, validator=positive)
+
+    def resolved_api_key(self) -> str | None:
+        """``api_key``, else the ``PRIMERL_API_KEY`` environment variable, else None."""
+        import os
+
+        return self.api_key or os.environ.get("PRIMERL_API_KEY") or None
+
+    def disaggregated(self) -> bool:
+        """Whether prefill and decode run on separate servers (``prefill_replicas`` and
+        ``decode_replicas`` set)."""
+        return self.prefill_replicas > 0 and self.decode_replicas > 0
+
+    def pd_urls(self) -> tuple[list[str], list[str]]:
+        """(prefill servers, decode servers): ``prefill_urls`` / ``decode_urls`` when set, else
+        consecutive ports from ``port``, prefill first."""
+        if self.prefill_urls and self.decode_urls:
+            return [u.rstrip("/") for u in self.prefill_urls], [u.rstrip("/") for u in self.decode_urls]
+        ports = [self.port + i for i in range(self.prefill_replicas + self.decode_replicas)]
+        urls = [f"http://{self.host}:{p}" for p in ports]
+        return urls[: self.prefill_replicas], urls[self.prefill_replicas:]
+
+    def fixed_ports(self) -> dict[str, int]:
+        """Ports a server binds besides ``port`` that the config fixes (key -> port): servers
+        sharing a machine cannot share them. None here; a backend's Config names its own."""
+        return {}
+
+    def resolved_device(self) -> str:
+        """``device``, with ``auto`` resolved (a backend's Config may resolve it its own way)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def check(self, run: RunConfig, sources: Mapping[str, str]) -> None:
+        """Rules that need the whole run (the backend's device, the model, the trainer's
+        settings); called once the run's config is complete. A backend's ``Config`` (a
+        subclass) overrides it and raises ConfigError naming the key."""
 
 
 class InferenceBackend(Protocol):

@@ -17,11 +17,12 @@ from __future__ import annotations
 import socket
 import sys
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
 
-from primerl.config import RunConfig
+if TYPE_CHECKING:  # pragma: no cover
+    from primerl.config import RunConfig
 
 
 @attrs.frozen(kw_only=True)
@@ -39,6 +40,20 @@ class LauncherCapabilities:
     dry_run: bool = False
 
 
+@attrs.define(kw_only=True)
+class LauncherConfig:
+    """The ``[launcher]`` section; a launcher declaring a ``Config`` (a subclass) adds its keys."""
+
+    # the launcher plugin (register_launchers) that starts inference, orchestrator and
+    # trainer: "local" runs them all on this machine, "slurm" submits them as a Slurm job
+    # (its own keys: docs/slurm.md); `primerl run --launcher NAME` sets it
+    name: str = "local"
+
+    def trainer_nodes_used(self) -> int:
+        """The nodes the trainer's ranks span (one unless the launcher's Config says more)."""
+        return 1
+
+
 @runtime_checkable
 class Launcher(Protocol):
     """Runs a whole RL job (``register_launchers``; see docs/plugins.md)."""
@@ -50,7 +65,7 @@ class Launcher(Protocol):
         A user error found before anything starts raises :class:`primerl.errors.PrimerlError`."""
 
 
-__all__ = ["Launcher", "LauncherCapabilities", "inference_names", "inference_roles", "process_command",
+__all__ = ["Launcher", "LauncherCapabilities", "LauncherConfig", "inference_names", "inference_roles", "process_command",
            "pick_ports"]
 
 

@@ -36,15 +36,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from primerl.validators import non_negative
+
+__all__ = ["COLUMNS", "Monitor", "MonitorCapabilities", "MonitorConfig", "MonitorSet", "RunInfo", "SampleRow",
+           "json_record", "one_line", "sample_rows", "wants_samples", "with_always_on"]
+
 SAMPLE_ROWS = 8  # rollouts per sample table: a few of the step's groups, not the whole batch
 SAMPLE_TEXT_CHARS = 2000  # a prompt's or completion's text beyond this is cut (an agent's long episodes)
-
-
-def non_negative(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
-    """An attrs validator: the field is >= 0 (its error starts with the field name, as the
-    config errors expect)."""
-    if value < 0:
-        raise ValueError(f"{attribute.name}: must be >= 0, got {value}")
 
 
 @attrs.define(kw_only=True)
@@ -188,12 +186,12 @@ class MonitorSet:
         self._log = log
 
     @classmethod
-    def for_run(cls, cfg: Any, *, log: Callable[[str], None], registry: Any = None) -> MonitorSet:
+    def for_run(cls, cfg: Any, *, log: Callable[[str], None], registry: Any) -> MonitorSet:
         """The monitors ``cfg.monitors`` switches on, built (each its plugin's class with its
-        options); one that cannot be built is reported once and left out."""
-        from primerl.registry import get_registry
-
-        reg = registry or get_registry()
+        options) from ``registry`` (:func:`primerl.registry.get_registry`: the registry reads
+        this module's capability record, so this module never imports it); one that cannot be
+        built is reported once and left out."""
+        reg = registry
         out = cls(log=log)
         for name, options in with_always_on(cfg.monitors, reg).items():
             if not options.enabled:

@@ -8,7 +8,7 @@ on GPUs). Then it calls the strategy, once, right after the model adapter has bu
 model on every rank:
 
 1. ``mesh_shape(world_size, settings)``: the named dimensions of the world mesh and their
-   sizes, from ``[trainer.parallel]`` (:class:`primerl.config.ParallelConfig`); the
+   sizes, from ``[trainer.parallel]`` (:class:`ParallelConfig`); the
    trainer creates the ``DeviceMesh`` from it (:func:`device_mesh`).
 2. ``parallelize(model, mesh, build_optimizer)``: wraps or shards the model on the mesh
    (a strategy may build further views of it, e.g. expert parallel's), builds the
@@ -45,13 +45,65 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_ch
 
 import attrs
 
-from primerl.errors import PrimerlError
+from primerl.errors import ConfigError, PrimerlError
+from primerl.validators import positive
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from primerl.config import ParallelConfig
+__all__ = ["ROOT_UNIT", "ParallelConfig", "ParallelLayout", "Parallelism", "ParallelismCapabilities", "Parallelized",
+           "Shard", "ShardedThing", "barrier", "device_mesh", "init_trainer_group", "is_publisher", "unit_of",
+           "world_size"]
+
+
+@attrs.define(kw_only=True)
+class ParallelConfig:
+    """The ``[trainer.parallel]`` section: the trainer's device mesh, as torchtitan lays it
+    out. ``dp_replicate x dp_shard x cp`` is the number of ranks (nodes x nproc);
+    expert parallel ``ep`` is carved out of ``dp_shard x cp`` (it must divide it)."""
+
+    # replicas of the sharded model (HSDP's outer dimension): each trains its share of the
+    # rows, gradients are summed over them
+    dp_replicate: int = attrs.field(default=1, validator=positive)
+    # FSDP2 shards: parameters, gradients and optimizer state split over this many ranks;
+    # -1: the ranks the other dimensions leave
+    dp_shard: int = attrs.field(default=-1)
+    # context parallel: each row's tokens split over this many ranks (zigzag chunks), for rows
+    # too long for one device
+    cp: int = attrs.field(default=1, validator=positive)
+    # expert parallel: the routed experts split over this many ranks, tokens sent to them
+    # all-to-all; must divide dp_shard x cp
+    ep: int = attrs.field(default=1, validator=positive)
+    # FSDP2 keeps parameters, gradients and optimizer state in CPU memory: slower, for a
+    # model that does not fit on the devices
+    cpu_offload: bool = False
+
+    def world_size(self) -> int | None:
+        """Ranks the layout needs, or None when ``dp_shard`` fills whatever is given."""
+        return None if self.dp_shard == -1 else self.dp_replicate * self.dp_shard * self.cp
+
+    def is_trivial(self) -> bool:
+        return self.dp_replicate == 1 and self.dp_shard in (-1, 1) and self.cp == 1 and self.ep == 1
+
+    def resolved(self, world_size: int) -> ParallelConfig:
+        """These settings for ``world_size`` ranks, ``dp_shard`` filled in; a ConfigError
+        names the keys of a layout that does not fit."""
+        rest = self.dp_replicate * self.cp
+        dp_shard = world_size // rest if self.dp_shard == -1 else self.dp_shard
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ConfigError(f"trainer.parallel.dp_shard must be positive or -1 (the ranks the others leave), "
+                              f"got {self.dp_shard}")
+        if dp_shard < 1 or self.dp_replicate * dp_shard * self.cp != world_size:
+            raise ConfigError(
+                f"[trainer.parallel] dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x cp ({self.cp}) "
+                f"must equal the trainer's ranks, nodes x trainer.nproc = {world_size}: change trainer.nproc or "
+                f"the [trainer.parallel] sizes")
+        if (dp_shard * self.cp) % self.ep:
+            raise ConfigError(f"trainer.parallel.ep ({self.ep}) must divide dp_shard x cp ({dp_shard} x {self.cp}): "
+                              f"expert parallel is carved out of the FSDP ranks")
+        return attrs.evolve(self, dp_shard=dp_shard)
+
 
 # The module name of the root unit: every tensor not inside another unit (final norm...).
 ROOT_UNIT = ""

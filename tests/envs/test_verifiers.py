@@ -12,9 +12,9 @@ pytest.importorskip("vf_guess_number")
 
 from conftest import InferenceServer
 
-from primerl.config import ConfigError
 from primerl.envs.agent import Endpoint, interleave
 from primerl.envs.multiturn import prompt_ids, turn_suffix
+from primerl.errors import ConfigError
 
 EOS = 256  # the byte tokenizer's <|endoftext|>
 

@@ -19,9 +19,10 @@ pytest.importorskip("vf_reverse_v1")
 
 from conftest import InferenceServer, free_port
 
-from primerl.config import ConfigError, ConfigSources, load_config
+from primerl.config import ConfigSources, load_config
 from primerl.envs.agent import Endpoint, interleave
 from primerl.envs.multiturn import prompt_ids, turn_suffix
+from primerl.errors import ConfigError
 from primerl.tokenizer import EOS_TOKEN_ID, byte_tokenizer
 
 OBSERVATION = 262  # the byte tokenizer's <|observation|>: a tool result follows

@@ -179,6 +179,7 @@ def test_backend_builds_the_engine_with_the_configured_store():
 
     from primerl.config import ConfigSources, load_config
     from primerl.errors import PrimerlError
+    from primerl.preflight import load_checked
 
     cfg = load_config(ConfigSources(overrides=[("inference.max_model_len", "64"), ("inference.kv_slots", "64")]))
     assert cfg.inference.kv_store == "memory"
@@ -187,5 +188,5 @@ def test_backend_builds_the_engine_with_the_configured_store():
     finally:
         torch.set_grad_enabled(True)  # build() turns autograd off for its (server) process
     assert isinstance(engine.kv_store, MemoryStore) and engine.kv_store.pool is engine.slots
-    with pytest.raises(PrimerlError, match="kv_store"):
-        load_config(ConfigSources(overrides=[("inference.kv_store", "no-such-store")]))
+    with pytest.raises(PrimerlError, match="kv_store"):  # the preflight finds the named store
+        load_checked(ConfigSources(overrides=[("inference.kv_store", "no-such-store")]))

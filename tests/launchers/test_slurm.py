@@ -17,7 +17,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from primerl.config import InferenceConfig, dump_toml, read_toml
+from primerl.config import dump_toml, read_toml
+from primerl.inference import InferenceConfig
 
 SMALL = ["--sft.steps", "0", "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
          "--orchestrator.max_tokens", "8", "--trainer.seq_len", "256"]

@@ -10,8 +10,9 @@ import torch
 from primerl_fsdp.parity import max_rel_err, step_on_layout
 from primerl_fsdp.ranks import run_on_ranks
 
-from primerl.config import ConfigSources, ParallelConfig, load_config
+from primerl.config import ConfigSources, load_config
 from primerl.errors import ConfigError
+from primerl.parallel import ParallelConfig
 
 pytestmark = pytest.mark.slow  # every test starts torch.distributed ranks
 

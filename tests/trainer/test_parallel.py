@@ -5,10 +5,9 @@ import torch
 import torch.distributed as dist
 
 from primerl import hookimpl, registry
-from primerl.config import ParallelConfig
 from primerl.errors import PluginError, PrimerlError
 from primerl.models import ModelConfig
-from primerl.parallel import ROOT_UNIT, Parallelism, ParallelLayout, Shard, device_mesh, unit_of
+from primerl.parallel import ROOT_UNIT, ParallelConfig, Parallelism, ParallelLayout, Shard, device_mesh, unit_of
 from primerl.registry import Registry
 from primerl.trainer.main import load_parallelism
 from primerl.trainer.optim import make_optimizer

@@ -17,7 +17,7 @@ The simplest environment a third party writes::
     def register_envs(register):
         register("echo", Echo)
 
-An environment may declare ``Config``, a subclass of :class:`primerl.config.EnvConfig`,
+An environment may declare ``Config``, a subclass of :class:`EnvConfig` (below),
 to accept options from the ``[env]`` section (``--env.my_option 3``); it receives the
 validated instance as ``self.config``.
 """
@@ -29,9 +29,20 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 
-from primerl.config import EnvConfig
 
 Message = dict[str, Any]
+
+
+@attrs.define(kw_only=True)
+class EnvConfig:
+    """The ``[env]`` section; environments subclass it to add their own options."""
+
+    # the environment plugin (register_envs): reverse-text, alphabet-sort, wordle, swe,
+    # verifiers...; `primerl plugins list` shows those installed
+    name: str = "reverse-text"
+    # seeds the env's own task generation (the built-in envs draw their tasks from it), apart
+    # from the run's seed, so one task set can be trained with different run seeds
+    seed: int = 0
 
 
 def _check_prompt(_inst: Any, _attr: attrs.Attribute, value: Any) -> None:
@@ -156,4 +167,4 @@ class SingleTurnEnv(Environment):
         return r
 
 
-__all__ = ["CheckableEnv", "Environment", "Message", "PreparableEnv", "SingleTurnEnv", "Task", "TaskError"]
+__all__ = ["CheckableEnv", "EnvConfig", "Environment", "Message", "PreparableEnv", "SingleTurnEnv", "Task", "TaskError"]

@@ -22,8 +22,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from primerl.config import EnvConfig
-from primerl.envs import Environment, Task
+from primerl.envs import EnvConfig, Environment, Task
 from primerl.samples import NO_VERSION, Sample, decode_routed_experts
 
 

@@ -37,8 +37,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from primerl.config import EnvConfig
-from primerl.envs import Environment, Message, Task, TaskError
+from primerl.envs import EnvConfig, Environment, Message, Task, TaskError
 from primerl.errors import PrimerlError
 
 

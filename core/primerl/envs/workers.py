@@ -22,8 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from primerl import watchdog
-from primerl.config import EnvConfig
-from primerl.envs import Task, TaskError
+from primerl.envs import EnvConfig, Task, TaskError
 from primerl.errors import PrimerlError
 
 

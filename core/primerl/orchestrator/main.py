@@ -57,8 +57,8 @@ from typing import Any
 
 from primerl import watchdog
 from primerl.algorithms import OverlongShaping, build_advantage
-from primerl.config import EnvConfig, EvalSourceConfig, RunConfig
-from primerl.envs import Environment, Task
+from primerl.config import EvalSourceConfig, RunConfig
+from primerl.envs import EnvConfig, Environment, Task
 from primerl.envs.rollouts import Rollout, rollout_kind
 from primerl.envs.workers import EnvWorkers
 from primerl.errors import PrimerlError

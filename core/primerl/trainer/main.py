@@ -48,6 +48,7 @@ from primerl.config import RunConfig, to_dict
 from primerl.errors import PluginError, PrimerlError
 from primerl.monitors import MonitorSet, RunInfo, sample_rows
 from primerl.parallel import Parallelism, barrier, device_mesh, init_trainer_group, is_publisher, world_size
+from primerl.registry import get_registry
 from primerl.resume import set_aside_checkpoint, trim_metrics, usable_checkpoint
 from primerl.rundir import RunDir, step_name
 from primerl.samples import RolloutBatch, read_batch
@@ -145,7 +146,8 @@ def main(cfg: RunConfig) -> None:
     parallelism = load_parallelism(t.resolved_parallelism())
     owns_group = init_trainer_group(device)
     watchdog.start(f"trainer-{torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}", run, cfg)
-    monitors = MonitorSet.for_run(cfg, log=log) if is_publisher() else MonitorSet()  # the publishing rank's
+    # the publishing rank's
+    monitors = MonitorSet.for_run(cfg, log=log, registry=get_registry()) if is_publisher() else MonitorSet()
     watchdog.doing("loading the model", busy=True)
     try:
         adapter, model, tokenizer = build_model(cfg)

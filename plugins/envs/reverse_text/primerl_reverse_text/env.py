@@ -16,8 +16,7 @@ from collections.abc import Iterator
 
 import attrs
 
-from primerl.config import EnvConfig
-from primerl.envs import SingleTurnEnv, Task
+from primerl.envs import EnvConfig, SingleTurnEnv, Task
 from primerl_reverse_text.words import BASIC, ENGLISH_EVAL, ENGLISH_TRAIN
 
 WORDS = BASIC  # the quick start's words

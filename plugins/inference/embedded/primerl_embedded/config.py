@@ -7,7 +7,9 @@ from collections.abc import Mapping
 
 import attrs
 
-from primerl.config import ConfigError, InferenceConfig, RunConfig
+from primerl.config import RunConfig
+from primerl.errors import ConfigError
+from primerl.inference import InferenceConfig
 
 
 @attrs.define(kw_only=True)

@@ -1,6 +1,6 @@
 """The ``[inference]`` section of the ``vllm`` backend, and what it refuses before a run starts.
 
-:class:`VllmConfig` subclasses primerl's :class:`~primerl.config.InferenceConfig`: the keys
+:class:`VllmConfig` subclasses primerl's :class:`~primerl.inference.InferenceConfig`: the keys
 every backend shares (``host``, ``port``, ``max_model_len``, ``max_batch_size``, ``dtype``)
 keep their meaning, and the keys below map to vLLM's server flags (the table is in
 docs/vllm.md). ``load_config`` validates ``[inference]`` with this class when
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from primerl.config import InferenceConfig
 from primerl.errors import ConfigError
+from primerl.inference import InferenceConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from primerl.config import RunConfig

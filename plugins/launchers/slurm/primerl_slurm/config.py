@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from primerl.config import LauncherConfig
+from primerl.launchers import LauncherConfig
 
 _TIME = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$|^(\d+-\d+)$|^(UNLIMITED|INFINITE)$", re.IGNORECASE)
 

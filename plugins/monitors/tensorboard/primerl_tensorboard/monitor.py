@@ -22,7 +22,8 @@ from typing import Any
 
 import attrs
 
-from primerl.monitors import COLUMNS, MonitorConfig, RunInfo, SampleRow, non_negative
+from primerl.monitors import COLUMNS, MonitorConfig, RunInfo, SampleRow
+from primerl.validators import non_negative
 
 
 @attrs.define(kw_only=True)

@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 import attrs
 
-from primerl.monitors import COLUMNS, MonitorConfig, RunInfo, SampleRow, non_negative
+from primerl.monitors import COLUMNS, MonitorConfig, RunInfo, SampleRow
+from primerl.validators import non_negative
 
 
 @attrs.define(kw_only=True)

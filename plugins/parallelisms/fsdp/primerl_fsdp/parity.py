@@ -50,9 +50,9 @@ def step_on_layout(model_name: str, parallel: dict[str, int], replay: bool = Fal
     import attrs
 
     from primerl.algorithms import build_loss
-    from primerl.config import ParallelConfig, RunConfig
+    from primerl.config import RunConfig
     from primerl.models import ModelConfig
-    from primerl.parallel import device_mesh, world_size
+    from primerl.parallel import ParallelConfig, device_mesh, world_size
     from primerl.registry import get_registry
     from primerl.trainer.main import load_parallelism
     from primerl.trainer.packing import pack

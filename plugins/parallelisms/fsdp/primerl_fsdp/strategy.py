@@ -40,10 +40,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from primerl.config import ParallelConfig
 from primerl.errors import PrimerlError
 from primerl.models.contract import CausalLM
-from primerl.parallel import ROOT_UNIT, Parallelized, ParallelLayout, Shard, unit_of
+from primerl.parallel import ROOT_UNIT, ParallelConfig, Parallelized, ParallelLayout, Shard, unit_of
 
 
 class FSDP:

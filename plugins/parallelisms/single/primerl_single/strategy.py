@@ -19,10 +19,9 @@ import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from primerl.config import ParallelConfig
 from primerl.errors import PrimerlError
 from primerl.models.contract import CausalLM
-from primerl.parallel import ROOT_UNIT, Parallelized, ParallelLayout, unit_of
+from primerl.parallel import ROOT_UNIT, ParallelConfig, Parallelized, ParallelLayout, unit_of
 
 
 def publishing_units(model: CausalLM) -> tuple[str, ...]:

@@ -1,0 +1,55 @@
+"""Which class checks each config section: the selected plugin's ``Config``, else the contract's.
+
+A plugin may declare its own options by setting ``Config`` on what it registers, a subclass
+of the section class its contract owns: a model's of :class:`primerl.models.ModelConfig`
+(``[model]``), an environment's of :class:`primerl.envs.EnvConfig` (``[env]`` and every
+source's ``env`` table), an inference backend's of :class:`primerl.inference.InferenceConfig`
+(``[inference]``), a launcher's of :class:`primerl.launchers.LauncherConfig` (``[launcher]``),
+a monitor's of :class:`primerl.monitors.MonitorConfig` (``[monitors.<name>]``).
+:func:`config_class` is the one place that reads it, for every kind; the loader
+(:mod:`primerl.config`) then structures the section's table with the class it returns, so a
+third-party plugin gets the same checks and error messages as the core's sections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from primerl.errors import ConfigError, PluginError
+from primerl.structuring import origin_of
+
+__all__ = ["config_class", "section_class"]
+
+
+def config_class(registry: Any, kind: str, name: str, base: type, *, label: str) -> type:
+    """The ``Config`` class plugin ``name`` of ``kind`` declares (a subclass of ``base``),
+    else ``base``. ``label`` says where the name was given ("inference.backend = 'vllm' (from
+    the command line)"): a plugin that does not load is a ConfigError starting with it."""
+    try:
+        target = registry.load(kind, name)
+    except PluginError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+    cls = getattr(target, "Config", None)  # optional: a plugin without options declares none
+    if cls is None:
+        return base
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(f"{kind} plugin '{name}' declares Config={cls!r}, which is not a subclass of "
+                          f"primerl's {base.__name__}; fix the plugin")
+    return cls
+
+
+def section_class(raw: Mapping[str, Any], sources: Mapping[str, str], registry: Any, key: str, kind: str,
+                  base: type) -> type:
+    """The class that checks the section of ``key`` (``section.field`` naming a plugin of
+    ``kind``, e.g. ``inference.backend``) in the merged table ``raw``: the named plugin's
+    ``Config``, else ``base`` (whose default names the plugin when the key is not set)."""
+    section, _, field = key.partition(".")
+    table = raw.get(section, {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"'{section}' must be a table ({origin_of(sources, section)})")
+    name = table.get(field, getattr(base(), field))
+    if not isinstance(name, str):
+        raise ConfigError(f"{key} = {name!r} ({origin_of(sources, key)}) must be a string: the name of an "
+                          f"installed {kind} plugin (primerl plugins list)")
+    return config_class(registry, kind, name, base, label=f"{key} = {name!r} ({origin_of(sources, key)})")
