@@ -29,7 +29,6 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 
-
 Message = dict[str, Any]
 
 
