@@ -1,4 +1,5 @@
-"""The core's module graph, read from the source: no import circle, no module too long to read.
+"""The core's module graph, read from the source: no import circle, no module too long to read
+(and no function in core or the built-in plugins longer than 80 lines).
 
 Every import a module runs counts, at the top or inside a function (a function-local import
 hides a circle from Python's import machinery, not from a reader). Imports under
@@ -18,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "core" / "primerl"
 MAX_LINES = 800
+MAX_FUNCTION_LINES = 80
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -114,6 +116,19 @@ def test_no_core_module_is_longer_than_800_lines():
     long = {str(p.relative_to(REPO)): n for p in sorted(CORE.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}, f"split these by concern (at most {MAX_LINES} lines a module)"
+
+
+def test_no_function_in_core_or_the_built_in_plugins_is_longer_than_80_lines():
+    """A function that mixes concerns shows as length first: split where it does."""
+    long = []
+    for path in sorted([*CORE.rglob("*.py"), *(REPO / "plugins").rglob("*.py")]):
+        if ".venv" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n} lines)")
+    assert long == [], f"split these (at most {MAX_FUNCTION_LINES} lines a function)"
 
 
 def test_loading_the_config_imports_no_component_builder():
