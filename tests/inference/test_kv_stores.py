@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 from primerl_embedded.engine import Engine, SamplingParams
+from primerl_kv_memory.store import MemoryStore, common_prefix
 
-from primerl.kv_memory import MemoryStore, common_prefix
-from primerl.kv_stores import BlockKVStore, HandoffUnavailable, KVStore, SlotPool, block_keys
+from primerl.kv_blocks import block_keys
+from primerl.kv_stores import BlockKVStore, HandoffUnavailable, KVStore, SlotPool
 from primerl.models import ModelConfig
 from primerl.registry import get_registry
 

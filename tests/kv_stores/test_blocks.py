@@ -4,19 +4,11 @@ and the slot-level adapter over a block store (BlockSlotStore, TieredKVStore) on
 import pytest
 import torch
 from conftest import greedy
-from primerl_embedded.engine import Engine
+from primerl_embedded.engine import Engine, model_identity
+from primerl_kv_memory.store import MemoryStore
 
-from primerl.kv_memory import MemoryStore
-from primerl.kv_stores import (
-    BlockSlotStore,
-    KVBlock,
-    KVStore,
-    TieredKVStore,
-    block_keys,
-    decode_block,
-    encode_block,
-    model_identity,
-)
+from primerl.kv_blocks import BlockSlotStore, TieredKVStore, block_keys, decode_block, encode_block
+from primerl.kv_stores import KVBlock, KVStore
 from primerl.models import ModelConfig
 from primerl.models.batch import SlotCache
 from primerl.registry import get_registry
@@ -131,8 +123,9 @@ def test_tiered_store_prefers_idle_slots_and_restores_longer_prefixes_from_block
     (third,) = eng.generate(prompt, greedy())
     assert store.stats.restored_tokens == (len(prompt) // 16) * 16
     assert third.output_ids == first.output_ids and torch.equal(third.routed_experts(), first.routed_experts())
+    TieredKVStore(MemoryStore(), blocks, write_through=False)  # the memory store reports its evictions
     with pytest.raises(TypeError, match="on_evict"):
-        TieredKVStore(MemoryStore(), blocks, write_through=False)  # write-back needs eviction reports
+        TieredKVStore(BlockSlotStore(blocks), blocks, write_through=False)  # write-back needs eviction reports
 
 
 def test_a_sequence_that_ran_across_a_weight_update_reaches_only_stores_that_accept_it(glm5):

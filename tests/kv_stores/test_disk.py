@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import greedy
 from primerl_embedded.engine import Engine
-from primerl_kv_disk.store import DiskBlocks, DiskStore, SpillingMemoryStore
+from primerl_kv_disk.store import DiskBlocks, DiskStore
+from primerl_kv_memory.store import MemoryStore
 
 from primerl.kv_stores import KVBlock, KVStore
 from primerl.models import ModelConfig
@@ -100,7 +101,7 @@ def block(key: str, nbytes: int) -> KVBlock:
 
 
 def test_disk_blocks_are_bounded_and_evict_the_least_recently_used(tmp_path):
-    one = len(__import__("primerl.kv_stores", fromlist=["encode_block"]).encode_block(block("k0", 1024)))
+    one = len(__import__("primerl.kv_blocks", fromlist=["encode_block"]).encode_block(block("k0", 1024)))
     files = DiskBlocks(tmp_path, max_bytes=3 * one, block_size=2)
     files.put([block(f"k{i}", 1024) for i in range(3)])
     assert files.contains(["k0", "k1", "k2"]) == 3 and files.bytes == 3 * one
@@ -117,11 +118,11 @@ def test_disk_blocks_are_bounded_and_evict_the_least_recently_used(tmp_path):
     assert not d.exists()
 
 
-def test_spilling_memory_store_reports_evictions_only(model, tmp_path):
+def test_the_memory_store_reports_evictions_only(model, tmp_path):
     """Moves (a prefix moved out of a slot the batch needs), hand-overs and clears are not
     evictions; making room is."""
     _, tok, _ = model
-    idle, seen = SpillingMemoryStore(), []
+    idle, seen = MemoryStore(), []
     idle.on_evict = lambda slot, tokens, routed: seen.append((slot, len(tokens), sum(len(c) for c in routed)))
     eng = engine(model, idle, max_batch_size=1, kv_slots=3)
     for p in ("alpha", "beta beta", "gamma gamma gamma"):  # no common first token: three entries

@@ -40,11 +40,10 @@ class EmbeddedBackend:
         tokenizer = adapter.tokenizer(model_cfg)
         layout = adapter.moe_layout(model_cfg)
         eos = tokenizer.eos_token_id
-        from primerl.runtime import read_runtime
+        from primerl.kv_stores import store_options
 
-        started = read_runtime(cfg.output_dir)  # what the launcher's KV store service set up, if any
-        options = {**cfg.inference.kv_store_options, **(started.kv_store_options if started else {})}
-        kv_store = get_registry().load("kv_store", cfg.inference.kv_store)(**options)
+        # kv_store_options and what the launcher's run service set up for the store, if anything
+        kv_store = get_registry().load("kv_store", cfg.inference.kv_store)(**store_options(cfg))
         engine = Engine(
             model,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),

@@ -62,9 +62,29 @@ import attrs
 import torch
 
 from primerl.errors import PrimerlError
-from primerl.kv_stores import KVStore, PrefixHit, SlotPool, model_identity
+from primerl.kv_stores import KVStore, PrefixHit, SlotPool
 from primerl.models.contract import CausalLM
 from primerl.sampling import sample, scale
+
+
+def model_identity(model: torch.nn.Module) -> str:
+    """A name for the weights a model starts from, the same in every server of a run (the
+    :class:`~primerl.kv_stores.SlotPool`'s ``model``, which block keys carry):
+    the class and a hash of its parameter count, first parameter's dtype and first values.
+
+    Two processes that build the same preset with the same seed, or load the same
+    checkpoint, get the same name (their blocks are shared); a different seed, checkpoint,
+    architecture or dtype gets another. Later weights are told apart by the version
+    (:attr:`primerl.kv_stores.SlotPool.version`), so this is computed once, at engine start.
+    """
+    params = list(model.parameters())
+    h = hashlib.blake2b(type(model).__qualname__.encode(), digest_size=8)
+    h.update(str(sum(p.numel() for p in params)).encode())
+    if params:
+        first = params[0].detach().reshape(-1)[:256].float().cpu()
+        h.update(str(params[0].dtype).encode())
+        h.update(first.numpy().tobytes())
+    return f"{type(model).__name__}-{h.hexdigest()}"
 
 
 class RequestError(PrimerlError):

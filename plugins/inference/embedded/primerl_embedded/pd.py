@@ -6,7 +6,7 @@ it retired (``inference.prefill_replicas`` / ``decode_replicas``; the client sid
 
 A prompt's KV goes from the prefill server that computed it to the decode server that
 samples from it through the block tier of the KV store every server shares (``disk`` with
-a shared directory, ``mooncake``; :class:`primerl.kv_stores.BlockSlotStore`):
+a shared directory, ``mooncake``; :class:`primerl.kv_blocks.BlockSlotStore`):
 
 * a **prefill** phase runs the prompt (no token is sampled) and, when it retires, writes the
   prompt's full blocks to the store at once (:meth:`KVHandoff.publish`, whatever the store's
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from primerl.kv_stores import BlockSlotStore, HandoffUnavailable, KVStore
+from primerl.kv_blocks import BlockSlotStore
+from primerl.kv_stores import HandoffUnavailable, KVStore
 from primerl_embedded.engine import RequestError, SamplingParams, Sequence
 
 KV_MISSING = "kv_missing"  # finish_reason of a decode phase whose prompt KV the store does not hold

@@ -33,12 +33,14 @@ import importlib.util
 import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
 from primerl.errors import ConfigError
 from primerl.inference import InferenceConfig
+from primerl.kv_stores import KVStoreCapabilities, VllmConnector
 
 if TYPE_CHECKING:  # pragma: no cover
     from primerl.config import RunConfig
@@ -70,10 +72,6 @@ CPU_MLA_WIDTH = 576  # vLLM's CPU MLA decode kernel: kv_lora_rank + qk_rope_head
 # output is not supported": VllmConfig._verify_aux_output_compatibility)
 NO_ROUTED_EXPERTS_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector",
                                 "MooncakeConnector")
-# inference.kv_store -> the vLLM KV connector that plays its part (memory: vLLM's own prefix
-# cache, plus --kv-offloading-size for a host-memory tier)
-KV_STORE_CONNECTORS = {"disk": "LMCacheConnectorV1", "mooncake": "MooncakeStoreConnector"}
-
 # flags the backend sets itself; extra_args may not change them (the proxy relies on them)
 RESERVED_FLAGS = ("--host", "--port", "--model", "--served-model-name", "--logprobs-mode",
                   "--enable-scale-out", "--generation-config", "--max-logprobs", "--worker-extension-cls",
@@ -184,12 +182,13 @@ class VllmConfig(InferenceConfig):
                 "inference.return_routed_experts) need them: set --trainer.routing_metrics false (and "
                 "router_replay false), or use --inference.backend embedded, whose P/D hands routed experts over "
                 "with the KV blocks")
-        if self.kv_store != "memory":
+        if _store(self.kv_store).vllm_connector is not None:
             raise ConfigError(
                 f"inference.kv_store = {self.kv_store!r} (from {sources.get('inference.kv_store', 'the defaults')}) "
                 f"with prefill/decode on --inference.backend vllm: vLLM hands KV from prefill to decode servers with "
-                f"its P/D connector (inference.kv_transfer_config, default NixlConnector), not a KV store: leave "
-                f"inference.kv_store memory (a MultiConnector in kv_transfer_config combines several connectors)")
+                f"its P/D connector (inference.kv_transfer_config, default NixlConnector), not a KV store's "
+                f"connector: leave inference.kv_store memory (a MultiConnector in kv_transfer_config combines "
+                f"several connectors)")
 
     def routed_experts_on(self, run: RunConfig) -> bool:
         if self.return_routed_experts is not None:
@@ -252,51 +251,74 @@ class VllmConfig(InferenceConfig):
 
 
     def _check_kv(self, run: RunConfig, src: Any, device: str) -> None:
-        """``inference.kv_store`` mapped onto vLLM's KV connectors, and the combinations vLLM
-        refuses at start-up said here instead."""
+        """``inference.kv_store`` played by the vLLM KV connector the store declares, and the
+        combinations vLLM refuses at start-up said here instead."""
         store = self.kv_store
-        if store not in ("memory", *KV_STORE_CONNECTORS):
+        declared = _store(store)
+        if declared.vllm_connector is None and not declared.vllm_prefix_cache:
             raise ConfigError(
-                f"inference.kv_store = {store!r} ({src('inference.kv_store')}) is an embedded-engine store with no "
-                f"vLLM counterpart: use memory (vLLM's prefix cache; kv_offload_gib adds a host-memory tier), "
-                f"disk (LMCache) or mooncake (MooncakeStoreConnector)")
-        if store in KV_STORE_CONNECTORS:
+                f"inference.kv_store = {store!r} ({src('inference.kv_store')}) declares no vLLM counterpart (a "
+                f"vLLM KV connector, KVStoreCapabilities.vllm_connector, or vLLM's own prefix cache): use a store "
+                f"that does (memory: vLLM's prefix cache, kv_offload_gib adds a host-memory tier; disk: LMCache; "
+                f"mooncake: MooncakeStoreConnector), or --inference.backend embedded")
+        connector = self._config_connector(run, src)
+        used = [("inference.kv_transfer_config", name) for name in connectors(self.kv_transfer_config)]
+        if connector is not None:
+            used.append((f"inference.kv_store {store!r}", connector.name))
             if self.kv_transfer_config:
                 raise ConfigError(
-                    f"inference.kv_store = {store!r} sets vLLM's --kv-transfer-config ({KV_STORE_CONNECTORS[store]}), "
-                    f"and inference.kv_transfer_config ({src('inference.kv_transfer_config')}) sets it too: keep one "
+                    f"inference.kv_store = {store!r} sets vLLM's --kv-transfer-config ({connector.name}), and "
+                    f"inference.kv_transfer_config ({src('inference.kv_transfer_config')}) sets it too: keep one "
                     f"(a MultiConnector in kv_transfer_config combines several)")
-            if device == "cpu":
+            if connector.devices and device not in connector.devices:
                 raise ConfigError(
-                    f"inference.kv_store = {store!r} ({src('inference.kv_store')}) maps to vLLM's "
-                    f"{KV_STORE_CONNECTORS[store]}, which needs vLLM's GPU build (its KV connectors move GPU KV "
-                    f"blocks; LMCache publishes CUDA wheels only): on CPU use --inference.backend embedded, whose "
-                    f"{store} store runs here")
+                    f"inference.kv_store = {store!r} ({src('inference.kv_store')}) is played by vLLM's "
+                    f"{connector.name}, which runs on vLLM's {' or '.join(connector.devices)} build only, and vLLM "
+                    f"here runs on {device}: use --inference.backend embedded, whose {store} store runs here")
         if self.routed_experts_on(run):
-            for name in connectors(self.kv_transfer_config):
+            for key, name in used:
                 if name in NO_ROUTED_EXPERTS_CONNECTORS:
                     why = ("trainer.router_replay" if run.trainer.router_replay else
                            "inference.return_routed_experts" if self.return_routed_experts else
                            "trainer.routing_metrics")
                     raise ConfigError(
-                        f"inference.kv_transfer_config uses {name}, with which vLLM refuses to return routed "
-                        f"experts (\"PD auxiliary output is not supported\"), but {why} ({src(why)}) needs them: "
-                        f"use a connector that keeps them (OffloadingConnector, LMCacheConnectorV1, "
-                        f"MooncakeStoreConnector), set {why} false, or use the embedded backend, whose P/D hands "
-                        f"routed experts over with the KV blocks")
+                        f"{key} uses {name}, with which vLLM refuses to return routed experts (\"PD auxiliary "
+                        f"output is not supported\"), but {why} ({src(why)}) needs them: use a connector that keeps "
+                        f"them (OffloadingConnector, "
+                        f"LMCacheConnectorV1, MooncakeStoreConnector), set {why} false, or use the embedded backend, "
+                        f"whose P/D hands routed experts over with the KV blocks")
 
-    def kv_store_connector(self, kv_dir: str) -> tuple[str | None, dict[str, str]]:
-        """(``--kv-transfer-config`` JSON or None, environment) that make vLLM play
-        ``inference.kv_store``; ``kv_dir`` is where the disk store keeps its files."""
-        store = self.kv_store
-        if store == "disk":
-            return (json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}),
-                    {"LMCACHE_LOCAL_DISK": f"file://{kv_dir}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "64",
-                     "LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256"})
-        if store == "mooncake":
-            return (json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}),
-                    {"MOONCAKE_CONFIG_PATH": f"{kv_dir}/mooncake_config.json"})
-        return None, {}
+    def _config_connector(self, run: RunConfig, src: Any) -> VllmConnector | None:
+        """The store's connector as the config alone gives it (the run service's options come
+        later): what the checks read; a connector function that fails is the store's error."""
+        from primerl_vllm.launch import kv_dir
+
+        try:
+            return self.store_connector(self.kv_store_options, kv_dir(run))
+        except Exception as exc:  # noqa: BLE001 - a third party's function: its failure, in one line
+            raise ConfigError(f"inference.kv_store = {self.kv_store!r} ({src('inference.kv_store')}): its vLLM "
+                              f"connector ({_store(self.kv_store).vllm_connector}) failed: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+    def store_connector(self, options: Mapping[str, Any], directory: str | Path) -> VllmConnector | None:
+        """The vLLM KV connector that plays ``inference.kv_store`` with the store's ``options``,
+        its files under ``directory`` (None: vLLM's own prefix cache plays it)."""
+        from primerl.registry import load_target
+
+        target = _store(self.kv_store).vllm_connector
+        if target is None:
+            return None
+        connector = load_target(target)(dict(options), Path(directory))
+        if not isinstance(connector, VllmConnector):
+            raise TypeError(f"{target} returned {type(connector).__name__}, not a primerl.kv_stores.VllmConnector")
+        return connector
+
+
+def _store(name: str) -> KVStoreCapabilities:
+    """What KV store ``name`` declared (its vLLM connector), read without importing it."""
+    from primerl.registry import get_registry
+
+    return get_registry().capabilities("kv_store", name)
 
 
 def _no_cuda(inference_device: str, trainer_device: str) -> str | None:

@@ -41,11 +41,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from primerl.children import own_group_and_die_with_parent
 from primerl.errors import PrimerlError
+from primerl.kv_stores import store_options
 
 GRACE_SECONDS = 15.0
 MAX_LOGPROBS = 21  # the proxy asks vLLM for k + 1 to return OpenAI's k alternatives (k <= 20)
@@ -92,11 +94,11 @@ def vllm_command(cfg: Any, model_dir: str | Path, port: int) -> list[str]:
         cmd += ["--kv-cache-dtype", inf.kv_cache_dtype]
     if inf.kv_offload_gib > 0:
         cmd += ["--kv-offloading-size", str(inf.kv_offload_gib), "--kv-offloading-backend", inf.kv_offload_backend]
-    store_connector, _ = inf.kv_store_connector(kv_dir(cfg))
+    store = inf.store_connector(store_options(cfg), kv_dir(cfg))  # the KV store's connector (None: the prefix cache)
     if inf.role != "both":  # a prefill or decode server of a P/D run
         cmd += ["--kv-transfer-config", pd_transfer_config(inf.role, inf.kv_transfer_config)]
-    elif inf.kv_transfer_config or store_connector:
-        cmd += ["--kv-transfer-config", inf.kv_transfer_config or store_connector]
+    elif inf.kv_transfer_config or store is not None:
+        cmd += ["--kv-transfer-config", inf.kv_transfer_config or json.dumps(dict(store.transfer_config))]
     if inf.routed_experts_on(cfg):
         cmd.append("--enable-return-routed-experts")
     if inf.enforce_eager:
@@ -122,31 +124,19 @@ def pd_transfer_config(role: str, kv_transfer_config: str | None) -> str:
 
 
 def kv_dir(cfg: Any) -> str:
-    """Where the vLLM KV stores keep their files (LMCache's disk tier, Mooncake's config)."""
+    """Where the KV store's vLLM connector keeps its files (LMCache's disk tier, Mooncake's config)."""
     return str(Path(cfg.output_dir).resolve() / "kv")
 
 
-def kv_store_options(cfg: Any) -> dict[str, Any]:
-    """``inference.kv_store_options`` with what the launcher's KV store service set up on top
-    (the run-time record: Mooncake's master)."""
-    from primerl.runtime import read_runtime
-
-    started = read_runtime(cfg.output_dir)
-    return {**cfg.inference.kv_store_options, **(started.kv_store_options if started else {})}
-
-
-def write_mooncake_config(path: Path, options: dict[str, Any]) -> None:
-    """MooncakeStoreConnector's settings, from the mooncake store's options: the master (the
-    launcher's), TCP unless ``protocol`` names RDMA, segment and buffer sizes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "metadata_server": "P2PHANDSHAKE",
-        "master_server_address": options.get("master", "127.0.0.1:50051"),
-        "global_segment_size": options.get("segment_bytes", "16GB"),
-        "local_buffer_size": options.get("buffer_bytes", "4GB"),
-        "protocol": options.get("protocol", "tcp"),
-        "device_name": options.get("device", ""),
-    }, indent=2) + "\n")
+def write_files(files: Mapping[str, str]) -> None:
+    """A connector's files (path -> text), each renamed into place (servers sharing a run
+    directory write the same ones)."""
+    for name, text in files.items():
+        path = Path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)
 
 
 def vllm_env(cfg: Any, hidden: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
@@ -160,10 +150,10 @@ def vllm_env(cfg: Any, hidden: tuple[str, ...] | list[str] = ()) -> dict[str, st
     if hidden:
         folder = site.install(str(Path(kv_dir(cfg)) / f"vllm-site-{os.getpid()}"), hidden)
         env["PYTHONPATH"] = os.pathsep.join([folder, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    _, store_env = cfg.inference.kv_store_connector(kv_dir(cfg))
-    env.update(store_env)
-    if cfg.inference.kv_store == "mooncake":  # MooncakeStoreConnector reads its settings from this file
-        write_mooncake_config(Path(store_env["MOONCAKE_CONFIG_PATH"]), kv_store_options(cfg))
+    store = cfg.inference.store_connector(store_options(cfg), kv_dir(cfg))  # what the KV store's connector reads
+    if store is not None:
+        env.update(store.env)
+        write_files(store.files)
     if cfg.inference.resolved_device() == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.inference.cpu_kv_cache_gib:g}"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -10,5 +10,6 @@ def register_kv_stores(register):
         "disk",
         "primerl_kv_disk.store:DiskStore",
         description="Idle prefixes in free KV slots; evicted ones written to files as blocks (LRU, bounded) and restored on a hit",
-        capabilities=KVStoreCapabilities(shares_across_processes=True, run_service="primerl_kv_disk.store:run_service"),
+        capabilities=KVStoreCapabilities(shares_across_processes=True, run_service="primerl_kv_disk.store:run_service",
+                                         vllm_connector="primerl_kv_disk.vllm:connector"),
     )

@@ -3,13 +3,13 @@
 What and why. The memory store keeps a finished sequence's KV where it was computed, in a
 free slot of the engine's cache, and loses it when the slot is needed: the next turn of
 that episode, or the next group with that system prompt, recomputes the whole prefix.
-This store keeps the same idle tier (it *is* the memory store, told to report evictions:
-:class:`SpillingMemoryStore`), and when it evicts a prefix, writes the prefix's KV to
+This store keeps the same idle tier (it *is* the memory store, built through the registry,
+which reports its evictions), and when it evicts a prefix, writes the prefix's KV to
 files first, as blocks of ``block_size`` tokens keyed by their token prefix
-(:func:`primerl.kv_stores.block_keys`), each with the routed experts of its tokens. A
+(:func:`primerl.kv_blocks.block_keys`), each with the routed experts of its tokens. A
 later prompt that starts with those blocks gets them read back into its slot instead of
-recomputed (:class:`primerl.kv_stores.TieredKVStore` does the composing,
-:class:`primerl.kv_stores.BlockSlotStore` the cutting and assembling). The directory is
+recomputed (:class:`primerl.kv_blocks.TieredKVStore` does the composing,
+:class:`primerl.kv_blocks.BlockSlotStore` the cutting and assembling). The directory is
 bounded (``max_bytes``); least recently used blocks are deleted first.
 
 Write-back, not write-through: blocks are written when a prefix is evicted, not when a
@@ -46,45 +46,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from primerl.kv_memory import MemoryStore
-from primerl.kv_stores import (
-    BlockSlotStore,
-    HandoffUnavailable,
-    KVBlock,
-    PrefixHit,
-    TieredKVStore,
-    decode_block,
-    encode_block,
-)
+from primerl.kv_blocks import BlockSlotStore, TieredKVStore, decode_block, encode_block
+from primerl.kv_stores import HandoffUnavailable, KVBlock, ServiceSite
+from primerl.registry import get_registry
+
+__all__ = ["DiskBlocks", "DiskStore", "SharedFolder", "run_service"]
 
 DEFAULT_MAX_BYTES = 8 << 30
 DEFAULT_BLOCK_SIZE = 64
 
 
-class SpillingMemoryStore(MemoryStore):
-    """The memory store, calling ``on_evict(slot, tokens, routed)`` for each prefix it evicts
-    to make room, while the prefix is still in its slot (a weight update's ``clear`` and a
-    running sequence taking a prefix's slot over are not evictions)."""
-
-    on_evict = None
-    _evicting = False
-
-    def vacate(self, slot: int, keep: PrefixHit | None = None) -> None:
-        self._evicting = True  # the memory store drops entries in vacate only to evict them
-        try:
-            super().vacate(slot, keep)
-        finally:
-            self._evicting = False
-
-    def _drop(self, e: Any) -> None:
-        if self._evicting and self.on_evict is not None:
-            self.on_evict(e.slot, e.tokens, e.routed)
-        super()._drop(e)
-
-
 class DiskBlocks:
     """A :class:`primerl.kv_stores.BlockKVStore` in a directory: one file per block
-    (:func:`primerl.kv_stores.encode_block`), at most ``max_bytes`` of them written by this
+    (:func:`primerl.kv_blocks.encode_block`), at most ``max_bytes`` of them written by this
     process, its least recently used deleted first.
 
     Private (default): a new directory ``primerl-kv-XXXX`` under ``root``, this process's
@@ -206,7 +180,8 @@ class DiskStore(TieredKVStore):
         max_bytes = max_bytes if max_bytes is not None else DEFAULT_MAX_BYTES
         block_size = block_size if block_size is not None else DEFAULT_BLOCK_SIZE
         self.files = DiskBlocks(root, max_bytes, block_size, shared=shared)
-        super().__init__(SpillingMemoryStore(), self.files, write_through=False, namespace=namespace)
+        idle = get_registry().load("kv_store", "memory")()  # reports what it evicts: written out then
+        super().__init__(idle, self.files, write_through=False, namespace=namespace)
 
     def handoff_blocks(self) -> BlockSlotStore:
         if not self.files.shared:
@@ -219,7 +194,7 @@ class DiskStore(TieredKVStore):
 
 class SharedFolder:
     """The disk store's run service: under prefill/decode the servers of a run share one
-    folder, ``<run>/kv`` (a decode server loads what a prefill server wrote)."""
+    folder (a decode server loads what a prefill server wrote)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -230,12 +205,18 @@ class SharedFolder:
     def describe(self) -> None:
         return None
 
+    def alive(self) -> None:
+        return None  # a folder: nothing runs
+
     def stop(self) -> None:
         pass
 
 
-def run_service(cfg: Any, run_dir: Any) -> SharedFolder | None:
-    """:class:`SharedFolder` for a prefill/decode run whose ``kv_store_options`` name no folder."""
+def run_service(cfg: Any, site: ServiceSite) -> SharedFolder | None:
+    """:class:`SharedFolder` for a prefill/decode run whose ``kv_store_options`` name no folder:
+    ``OUT/kv``, or ``OUT/kv/disk-<launch>`` for a named launch (a Slurm job: a requeued job
+    never reads what the last one's servers left)."""
     if not cfg.inference.disaggregated() or cfg.inference.kv_store_options.get("root"):
         return None
-    return SharedFolder(run_dir.root / "kv")
+    kv = site.run_dir.root / "kv"
+    return SharedFolder(kv / f"disk-{site.launch}" if site.launch else kv)

@@ -1,1 +1,1 @@
-"""The ``memory`` KV store (implemented in the core, :mod:`primerl.kv_memory`: the disk and mooncake stores build on it)."""
+"""The ``memory`` KV store (:mod:`primerl_kv_memory.store`): idle prefixes in the engine's free KV slots."""

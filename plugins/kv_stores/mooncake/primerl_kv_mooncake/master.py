@@ -8,8 +8,9 @@ master's HTTP metadata server (also started), so no etcd is needed. :class:`Moon
 own process group and set to die with its parent
 (:func:`primerl.children.own_group_and_die_with_parent`), waits until its health endpoint
 says it serves, and gives the addresses clients need (:meth:`MooncakeMaster.options`: the
-keywords of :class:`primerl_kv_mooncake.store.MooncakeStore`). The launchers start one per
-run (:func:`run_service`); tests and benchmarks start their own.
+keywords of :class:`primerl_kv_mooncake.store.MooncakeStore`). Every launcher starts one per
+run (:func:`run_service`, the store's declared run service); tests and benchmarks start
+their own.
 
     python -m primerl_kv_mooncake.master [--host H]   # prints master=... and metadata=..., serves until ^C
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from primerl.children import own_group_and_die_with_parent
+from primerl.kv_stores import ServiceSite
 from primerl_kv_mooncake.install import MooncakeUnavailable, master_binary, missing_library_fix
 
 
@@ -147,6 +149,10 @@ class MooncakeMaster:
     def describe(self) -> str:
         return f"Mooncake master at {self.address} (log: {self.log})"
 
+    def alive(self) -> bool:
+        """Whether the master process still runs."""
+        return self.proc is not None and self.proc.poll() is None
+
     def options(self) -> dict[str, str]:
         """What every store of the run needs to reach this master (``MooncakeStore``'s keywords,
         its ``[inference.kv_store_options]``): its address and its HTTP metadata server (every
@@ -174,13 +180,16 @@ class MooncakeMaster:
         self.stop()
 
 
-def run_service(cfg: Any, run_dir: Any) -> MooncakeMaster | None:
+def run_service(cfg: Any, site: ServiceSite) -> MooncakeMaster | None:
     """The store's run service (:class:`primerl.kv_stores.KVStoreCapabilities`): a master for
-    the run, logging to ``logs/mooncake.log``, unless ``inference.kv_store_options`` names
-    one (``master``)."""
+    the run on ``site.host`` (its ports from ``site.port`` on: RPC, metadata, metrics; free ones
+    when 0), logging to ``logs/mooncake.log``, unless ``inference.kv_store_options`` names one
+    (``master``)."""
     if cfg.inference.kv_store_options.get("master"):
         return None
-    return MooncakeMaster(log=run_dir.logs / "mooncake.log").start()
+    ports = {} if not site.port else {"rpc_port": site.port, "metadata_port": site.port + 1,
+                                      "metrics_port": site.port + 2}
+    return MooncakeMaster(site.host, log=site.run_dir.logs / "mooncake.log", **ports).start()
 
 
 def start_master(host: str = "127.0.0.1", **kwargs) -> MooncakeMaster:

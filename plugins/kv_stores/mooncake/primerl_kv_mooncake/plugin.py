@@ -12,5 +12,6 @@ def register_kv_stores(register):
         "primerl_kv_mooncake.store:MooncakeStore",
         description="KV blocks in a Mooncake Store pool shared by every inference server; idle prefixes in free slots",
         capabilities=KVStoreCapabilities(shares_across_processes=True,
-                                          run_service="primerl_kv_mooncake.master:run_service"),
+                                         run_service="primerl_kv_mooncake.master:run_service",
+                                         vllm_connector="primerl_kv_mooncake.vllm:connector"),
     )

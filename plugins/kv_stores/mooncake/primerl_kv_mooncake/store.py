@@ -6,12 +6,13 @@ recomputed on every other that sees it. Mooncake Store (the KV pool of Kimi's se
 stack) is a distributed object store over the memory each client lends it, moved by its
 transfer engine (TCP here; RDMA where there is a NIC for it). This store writes every
 finished sequence's new full blocks into that pool at once (write-through), keyed by their
-token prefix under the model and policy version (:func:`primerl.kv_stores.block_keys`),
+token prefix under the model and policy version (:func:`primerl.kv_blocks.block_keys`),
 each with the routed experts of its tokens, and on a prompt restores the longest run of
 blocks the pool holds, whichever server computed them. Idle prefixes also stay in this
 server's free slots (the memory store), which serve first when they cover as much.
-:class:`primerl.kv_stores.TieredKVStore` does the composing,
-:class:`primerl.kv_stores.BlockSlotStore` the cutting and assembling.
+:class:`primerl.kv_blocks.TieredKVStore` does the composing,
+:class:`primerl.kv_blocks.BlockSlotStore` the cutting and assembling; the idle tier is the
+``memory`` store, built through the registry.
 
 Stale KV: block keys carry the policy version, so after a weight update every server
 misses the old blocks (Mooncake evicts them as the pool fills); a sequence that ran across
@@ -44,9 +45,12 @@ import urllib.parse
 import weakref
 from collections.abc import Sequence
 
-from primerl.kv_memory import MemoryStore
-from primerl.kv_stores import KVBlock, TieredKVStore, decode_block, encode_block
+from primerl.kv_blocks import TieredKVStore, decode_block, encode_block
+from primerl.kv_stores import KVBlock
+from primerl.registry import get_registry
 from primerl_kv_mooncake.install import MooncakeUnavailable, import_store
+
+__all__ = ["MooncakeBlocks", "MooncakeStore"]
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_SEGMENT_BYTES = 4 << 30
@@ -55,7 +59,7 @@ DEFAULT_BUFFER_BYTES = 256 << 20
 
 class MooncakeBlocks:
     """A :class:`primerl.kv_stores.BlockKVStore` in a Mooncake Store pool: one object per block
-    (:func:`primerl.kv_stores.encode_block`), keyed by the block key. This client lends the
+    (:func:`primerl.kv_blocks.encode_block`), keyed by the block key. This client lends the
     pool ``segment_bytes``; what it puts may land in any client's memory, and every client
     of the same master sees it. Eviction is the master's (as the pool fills)."""
 
@@ -167,7 +171,8 @@ class MooncakeStore(TieredKVStore):
             block_size=block_size or DEFAULT_BLOCK_SIZE,
         )
         namespace = namespace or ""
-        super().__init__(MemoryStore(), self.pool_blocks, write_through=True, namespace=namespace)
+        super().__init__(get_registry().load("kv_store", "memory")(), self.pool_blocks, write_through=True,
+                         namespace=namespace)
 
     def close(self) -> None:
         self.pool_blocks.close()

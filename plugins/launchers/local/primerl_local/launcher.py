@@ -26,7 +26,8 @@ P servers ``inference-prefill-<i>`` and D servers ``inference-decode-<j>`` inste
 ``--inference.role`` after its port; the run-time record lists each pool's URLs.
 
 The KV store's run service, when it declares one
-(:class:`primerl.kv_stores.KVStoreCapabilities`), starts before the servers and stops
+(:class:`primerl.kv_stores.KVStoreCapabilities`; started by :mod:`primerl.kv_service` on this
+machine), starts before the servers and stops
 after them: Mooncake's master for ``mooncake``; for ``disk`` under prefill/decode, one block
 directory for every server, the run's ``kv/``, through which prefill servers hand prompts'
 KV to decode servers. The options it sets (the master's address, the folder) go into the
@@ -52,6 +53,8 @@ from typing import Any
 
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
+from primerl.kv_service import start_run_service
+from primerl.kv_stores import ServiceSite
 from primerl.launchers import inference_names, inference_roles, pick_ports, process_command
 from primerl.resume import prepare_run
 from primerl.rundir import RunDir
@@ -83,22 +86,6 @@ def child_command(name: str, cfg: RunConfig, run_dir: RunDir, port: int | None =
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={cfg.trainer.nproc}", *cmd[1:]]
     return cmd
-
-
-def start_run_service(cfg: RunConfig, run_dir: RunDir) -> Any:
-    """What the run's KV store needs set up once before its servers start (its declared
-    ``run_service``: Mooncake's master, the disk store's shared folder under prefill/decode),
-    started; the caller puts its options in the run-time record and stops it. None when the
-    store declares none or the run needs none."""
-    from primerl.registry import get_registry, load_target
-
-    target = get_registry().capabilities("kv_store", cfg.inference.kv_store).run_service
-    service = load_target(target)(cfg, run_dir) if target else None
-    if service is not None:
-        said = service.describe()
-        if said:
-            print(said, flush=True)
-    return service
 
 
 def child_env(name: str, cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
@@ -169,7 +156,7 @@ class LocalLauncher:
         run_dir.config.write_text(dump_toml(to_dict(cfg)))
         service = None
         try:
-            service = start_run_service(cfg, run_dir)
+            service = start_run_service(cfg, ServiceSite(run_dir=run_dir))  # what the KV store declares
             run_time(cfg, ports, service.options() if service is not None else {}).write(run_dir)
             view = LiveView(cfg, run_dir)
             supervisor = Supervisor(cfg, run_dir, children(cfg, run_dir, ports), _View(view),

@@ -57,8 +57,9 @@ class SlurmConfig(LauncherConfig):
     exclusive: bool = True
     # the trainer's c10d rendezvous port on its first node (trainer_nodes > 1)
     rdzv_port: int = attrs.field(default=29500, validator=_min(1))
-    # the Mooncake master's RPC port on the job's first node (+1: its metadata server, +2: its
-    # metrics) when inference.kv_store = "mooncake"; a one-node job picks free ports
+    # the first port of the KV store's run service on the job's first node, when the store
+    # declares one (Mooncake's master: its RPC port, +1 its metadata server, +2 its metrics);
+    # a one-node job picks free ports
     mooncake_port: int = attrs.field(default=50051, validator=_min(1))
     # a node lost mid-run (NODE_FAIL): true requeues the job (sbatch --requeue), which resumes
     # the run from its newest checkpoint once Slurm has nodes for it, and primerl run follows

@@ -1,9 +1,5 @@
 """The ``memory`` KV store: idle prefixes stay in the engine's free KV slots, LRU.
 
-It lives in the core because every store builds on it: the ``disk`` and ``mooncake``
-stores keep it as their first tier (:class:`primerl.kv_stores.TieredKVStore`), and the
-``memory`` plugin registers it as it is.
-
 A finished sequence's slot already holds the KV of everything it ran; keeping it costs
 nothing but the slot. So this store keeps finished slots as they are, serves the longest
 matching one to a new sequence (handing the slot over when the sequence lands in it,
@@ -12,16 +8,25 @@ for the running batch (slots stay compact), and evicts the least recently used p
 when no slot is free. A weight update clears it. It implements
 :class:`primerl.kv_stores.KVStore`; no torch is imported here (the cache copies through
 the :class:`primerl.kv_stores.SlotPool`).
+
+It reports what it evicts (:class:`primerl.kv_stores.ReportsEvictions`: ``on_evict``), so it
+is also the idle tier other stores put in front of their blocks
+(:class:`primerl.kv_blocks.TieredKVStore`): ``disk`` and ``mooncake`` build it through the
+registry (``get_registry().load("kv_store", "memory")``), as the engine does for its default.
+Under ``--inference.backend vllm`` vLLM's own prefix cache does its job
+(``vllm_prefix_cache`` in its registration).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from primerl.kv_stores import IN_PROCESS, HandoffUnavailable, PrefixHit, SlotPool
+
+__all__ = ["MemoryStore", "common_prefix"]
 
 
 class _Entry:
@@ -50,11 +55,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class MemoryStore:
-    """Idle prefixes kept in the engine's free KV slots, least recently used evicted first."""
+    """Idle prefixes kept in the engine's free KV slots, least recently used evicted first.
+
+    ``on_evict(slot, tokens, routed)``, when set, is called for each prefix evicted to make
+    room, while it is still in its slot (a weight update's :meth:`clear`, a prefix moved to
+    another slot and a running sequence taking a prefix's slot over are not evictions).
+    """
 
     current_weights_only = False  # a prefix that ran across a weight update is kept, as vLLM's prefix cache does
 
     def __init__(self) -> None:
+        self.on_evict: Callable[[int, Sequence[int], list[Any]], None] | None = None
         self.pool: SlotPool | None = None
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # entry id -> entry, least recent first
         self._by_slot: dict[int, _Entry] = {}
@@ -90,6 +101,8 @@ class MemoryStore:
         if not self.pool.free:  # make room: the least recently used entry other than ``keep`` goes
             kept = keep.handle if keep is not None else None
             victim = next(v for v in self._lru.values() if v is not kept)  # ``e`` itself qualifies
+            if self.on_evict is not None:
+                self.on_evict(victim.slot, victim.tokens, victim.routed)
             self._drop(victim)
             self.pool.release(victim.slot)
             if victim is e:
