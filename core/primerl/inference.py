@@ -1,39 +1,26 @@
-"""The inference backend contract: what ``primerl inference`` calls, and what a server answers.
+"""The inference backend contract: its ``[inference]`` section (:class:`InferenceConfig`), what
+``primerl inference`` calls, and where the servers are.
 
 An inference backend (``register_inference_backends``) serves a model over HTTP: the
-OpenAI-compatible API plus primerl's admin endpoints. ``primerl inference`` resolves the
-backend named by ``inference.backend``, calls it with no arguments and calls
-:meth:`InferenceBackend.serve` on the result; that call blocks until the server stops.
+OpenAI-compatible API plus primerl's admin endpoints, every one of them written down once in
+:mod:`primerl.serving.protocol` (its path, request and response) and answered by the one
+serving front (:mod:`primerl.serving.front`) over the backend's generator. ``primerl
+inference`` resolves the backend named by ``inference.backend``, calls it with no arguments
+and calls :meth:`InferenceBackend.serve` on the result; that call blocks until the server
+stops.
 
-The orchestrator, the env bridges and the trainer never import a backend: they talk HTTP
-(the trainer's one exception: the nccl weight channel's :class:`WeightSender`, which it asks
-the selected backend for).
-So the contract is the wire format, written down here as typed records (``TypedDict``: a
-response is a plain JSON object; these name its keys and their types). Every backend (the
-embedded engine, a vLLM plugin) must return at least these fields; OpenAI's other fields
-may come too. What RL needs beyond OpenAI:
-
-* token exactness: ``prompt_token_ids`` and every choice's ``token_ids``, the ids the
-  engine actually ran and sampled (never re-tokenized text);
-* the sampling log-probability of every generated token (``logprobs``), as
-  :mod:`primerl.sampling` defines it (float32 ``log_softmax(logits / T)``, T = 0 scored at
-  1, top-k/top-p not renormalised), which the trainer's importance ratio compares against;
-* the policy version of every generated token (``policy_versions``): a weight update may
-  land in the middle of a request, and staleness is counted per token;
-* with ``return_routed_experts``, the experts each MoE layer routed every processed token
-  to (:class:`RoutedExperts`), for router replay (R3);
-* the admin endpoints (:data:`ADMIN_WEIGHTS` ...) through which the orchestrator loads
-  each new policy into every server without stopping generation.
-
-Records with optional keys are split into a required base and a ``total=False`` subclass
-(Python 3.10 has no ``NotRequired``).
+The orchestrator, the env bridges and the trainer never import a backend: they talk HTTP to
+the servers :func:`servers` names (the trainer's one exception: the nccl weight channel's
+:class:`WeightSender`, which it asks the selected backend for). This module is light (no
+pydantic, no torch): the registry reads :class:`InferenceBackendCapabilities` from it when a
+config loads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -41,6 +28,19 @@ from primerl.validators import non_negative, positive
 
 if TYPE_CHECKING:  # pragma: no cover
     from primerl.config import RunConfig
+
+__all__ = [
+    "InferenceBackend",
+    "InferenceConfig",
+    "InferenceBackendCapabilities",
+    "Servers",
+    "WeightSender",
+    "check_port_free",
+    "inference_urls",
+    "pd_urls",
+    "server_url",
+    "servers",
+]
 
 
 @attrs.define(kw_only=True)
@@ -123,15 +123,6 @@ class InferenceConfig:
         ``decode_replicas`` set)."""
         return self.prefill_replicas > 0 and self.decode_replicas > 0
 
-    def pd_urls(self) -> tuple[list[str], list[str]]:
-        """(prefill servers, decode servers): ``prefill_urls`` / ``decode_urls`` when set, else
-        consecutive ports from ``port``, prefill first."""
-        if self.prefill_urls and self.decode_urls:
-            return [u.rstrip("/") for u in self.prefill_urls], [u.rstrip("/") for u in self.decode_urls]
-        ports = [self.port + i for i in range(self.prefill_replicas + self.decode_replicas)]
-        urls = [f"http://{self.host}:{p}" for p in ports]
-        return urls[: self.prefill_replicas], urls[self.prefill_replicas:]
-
     def fixed_ports(self) -> dict[str, int]:
         """Ports a server binds besides ``port`` that the config fixes (key -> port): servers
         sharing a machine cannot share them. None here; a backend's Config names its own."""
@@ -156,8 +147,10 @@ class InferenceBackend(Protocol):
 
     ``serve`` builds the model from ``cfg.model`` and serves it on ``cfg.inference.host`` /
     ``cfg.inference.port`` until the process is stopped, answering the endpoints below
-    with the records below. Options come from ``cfg.inference`` (``max_model_len``,
-    ``kv_slots``, ``kv_store``...); a backend ignores the keys it has no use for.
+    with the records of :mod:`primerl.serving.protocol` (a backend serves the one front,
+    :func:`primerl.serving.front.create_app`, over its generator). Options come from
+    ``cfg.inference``: the keys every backend shares, and its own when it declares a
+    ``Config`` (a subclass of the ``[inference]`` section's class).
     """
 
     def serve(self, cfg: RunConfig) -> None: ...
@@ -211,273 +204,65 @@ def check_port_free(host: str, port: int) -> None:
                                f"holds it; choose another --inference.port (or 0 for a free one)") from None
 
 
-# ---- endpoints ------------------------------------------------------------------------------
+# ---- where the servers are: one place -------------------------------------------------------
 
-COMPLETIONS = "/v1/completions"  # POST: CompletionResponse
-CHAT_COMPLETIONS = "/v1/chat/completions"  # POST: ChatCompletionResponse
-CHAT_COMPLETIONS_TOKENS = "/v1/chat/completions/tokens"  # POST: a chat request whose prompt is `tokens`
-TOKENIZE = "/tokenize"  # POST: TokenizeResponse (vLLM's)
-DETOKENIZE = "/detokenize"  # POST: {"prompt": str}
-MODELS = "/v1/models"  # GET: OpenAI's model list
-HEALTH = "/health"  # GET: Health, 200 once the server accepts requests
-METRICS = "/metrics"  # GET: Prometheus text
-GENERATE = "/inference/v1/generate"  # POST: GenerateResponse (vLLM's token-in API: token ids in and out)
-ADMIN_WEIGHTS = "/admin/weights"  # POST WeightUpdateRequest -> WeightUpdateResponse
-ADMIN_PAUSE = "/admin/pause"  # POST -> PauseResponse (stop scheduling; in-flight requests wait)
-ADMIN_RESUME = "/admin/resume"  # POST -> PauseResponse
-ADMIN_STATUS = "/admin/status"  # GET -> AdminStatus
 
+def server_url(host: str, port: int) -> str:
+    """The base URL of a server on ``host:port`` (an IPv6 address in brackets)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
-# ---- request fields beyond OpenAI's (completions and chat) ------------------------------------
 
+@attrs.frozen
+class Servers:
+    """A run's inference servers, by base URL (no trailing slash)."""
 
-class SamplingExtras(TypedDict, total=False):
-    """Request fields every backend accepts beyond OpenAI's (vLLM accepts the same)."""
+    every: tuple[str, ...]  # every server (prefill ones first with prefill/decode): what weight updates reach
+    prefill: tuple[str, ...] = ()  # with prefill/decode: the prefill pool
+    decode: tuple[str, ...] = ()  # and the decode pool
 
-    top_k: int  # -1: off
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    return_routed_experts: bool  # add RoutedExperts to every choice
 
-
-# ---- pieces of a choice ---------------------------------------------------------------------
-
-
-class RoutedExperts(TypedDict):
-    """The experts that processed each token, vLLM's layout: base64 of a C-order array.
-
-    ``shape`` is ``[tokens, moe_layers, top_k]``: one row per token the engine *ran* --
-    the prompt and every sampled token but the last (which was never fed back) -- starting
-    at token ``start`` of the prompt (0 from primerl's engine; the orchestrator rejects
-    anything else). ``dtype`` is ``"uint8"`` (up to 256 experts) or ``"int16"``. Rows of a
-    prompt prefix served from a KV cache are the experts that computed that cache.
-    """
-
-    data: str
-    shape: list[int]
-    dtype: Literal["uint8", "int16"]
-    start: int
-
-
-class CompletionLogprobs(TypedDict):
-    """OpenAI's legacy completions ``logprobs`` (``logprobs: k`` in the request).
-
-    One entry per token of the choice's text: the generated tokens, preceded with
-    ``echo: true`` by every prompt token. ``token_logprobs[i]`` is the log-probability of
-    token i (None for the first prompt token: nothing predicts it); ``top_logprobs[i]`` maps
-    the ``k`` most likely tokens' text to theirs (None for that first token; the whole list
-    is None when ``k`` is 0); ``text_offset[i]`` is where token i starts in ``text``.
-    """
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None] | None
-    text_offset: list[int]
-
-
-class TopLogprob(TypedDict):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TypedDict):
-    """OpenAI's chat ``logprobs.content[i]``: one generated token."""
-
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(TypedDict):
-    content: list[ChatTokenLogprob]
-
-
-class _TokenFields(TypedDict):
-    token_ids: list[int]  # the generated token ids, exactly as sampled
-    policy_versions: list[int]  # the policy version that produced each of token_ids
-
-
-class TokenFields(_TokenFields, total=False):
-    """What every choice carries beyond OpenAI's fields (completions and chat alike)."""
-
-    routed_experts: RoutedExperts  # only with return_routed_experts (and an MoE model)
-
-
-class CompletionChoice(TokenFields):
-    """One choice of ``/v1/completions``."""
-
-    index: int
-    text: str  # with echo: the prompt's text, then the completion's
-    finish_reason: Literal["stop", "length", "abort"] | None
-    logprobs: CompletionLogprobs | None
-    prompt_token_ids: list[int]  # this choice's prompt (a request may hold several prompts)
-
-
-class ChatMessage(TypedDict, total=False):
-    role: Literal["assistant"]
-    content: str | None
-    tool_calls: list[dict]  # OpenAI's shape; arguments are a JSON string
-
-
-class ChatChoice(TokenFields):
-    """One choice of ``/v1/chat/completions`` (and ``/v1/chat/completions/tokens``)."""
-
-    index: int
-    message: ChatMessage
-    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
-    logprobs: ChatLogprobs | None
-
-
-class TokenLogprob(TypedDict):
-    """``/inference/v1/generate``'s ``logprobs.content[i]``: tokens named ``"token_id:N"``."""
-
-    token: str
-    logprob: float
-    top_logprobs: list[dict[str, Any]]  # [{"token": "token_id:N", "logprob": float}], the top k
-
-
-class GenerateLogprobs(TypedDict):
-    content: list[TokenLogprob]
-
-
-class GenerateChoice(TokenFields):
-    """One choice of ``/inference/v1/generate`` (``token_ids``, ``policy_versions`` and, when
-    asked, ``routed_experts`` as on the OpenAI routes)."""
-
-    index: int
-    finish_reason: Literal["stop", "length", "abort"] | None
-    logprobs: GenerateLogprobs | None  # with sampling_params.logprobs
-
-
-class Usage(TypedDict):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-# ---- responses --------------------------------------------------------------------------------
-
-
-class CompletionResponse(TypedDict):
-    """``/v1/completions``: choices in prompt order, ``n`` per prompt."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class ChatCompletionResponse(TypedDict):
-    """``/v1/chat/completions``: ``prompt_token_ids`` is the rendered conversation."""
-
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    prompt_token_ids: list[int]
-    usage: Usage
-
-
-class _GenerateResponse(TypedDict):
-    request_id: str
-    model: str
-    prompt_token_ids: list[int]
-    choices: list[GenerateChoice]
-    usage: Usage
-
-
-class GenerateResponse(_GenerateResponse, total=False):
-    """``/inference/v1/generate`` (vLLM's shape, as ``renderers.client.generate`` reads it)."""
-
-    # with sampling_params.prompt_logprobs: per prompt token (the first None), its logprob and
-    # top k by token id, as vLLM answers: {"N": {"logprob": float, "rank": int}}
-    prompt_logprobs: list[dict[str, dict[str, float]] | None]
-
-
-class TokenizeResponse(TypedDict):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class Health(TypedDict):
-    status: Literal["ok"]
-    policy_version: int
-    paused: bool
-
-
-class WeightUpdateRequest(TypedDict, total=False):
-    """``POST /admin/weights``: ``path`` (required) is an HF safetensors checkpoint directory,
-    or one safetensors file (the co-located ``/dev/shm`` channel); ``version`` the policy
-    version its tokens will report (default: the current one + 1). Requests in flight carry
-    on; every later token reports the new version. A bad checkpoint is a 400 and changes
-    nothing."""
-
-    path: str
-    version: int
-
-
-class WeightUpdateResponse(TypedDict):
-    policy_version: int
-    seconds: float
-
-
-class PauseResponse(TypedDict):
-    paused: bool
-    policy_version: int
-
-
-class AdminStatus(TypedDict):
-    policy_version: int
-    paused: bool
-    running: int  # sequences being generated
-    waiting: int  # sequences queued for a slot
-    kv_usage: float  # share of KV held by running sequences
-
-
-class ErrorBody(TypedDict):
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorResponse(TypedDict):
-    """Any 4xx: OpenAI's error shape, with a reason a person can act on."""
-
-    error: ErrorBody
-
-
-def inference_urls(cfg: Any) -> list[str]:
-    """The inference servers' base URLs: those the launcher started (the run-time record,
-    :mod:`primerl.runtime`), else ``inference.urls`` when set (servers started otherwise),
-    else replica i on ``inference.host:inference.port + i``."""
+def servers(cfg: Any) -> Servers:
+    """Where run ``cfg``'s inference servers are, worked out here and nowhere else: those the
+    launcher started (the run-time record, :mod:`primerl.runtime`), else the URLs the config
+    names (``inference.urls``; with prefill/decode ``inference.prefill_urls`` and
+    ``decode_urls``: servers started otherwise), else ports from ``inference.port`` on
+    (replica i on ``port + i``; with prefill/decode, prefill server i on ``port + i`` and
+    decode server j on ``port + prefill_replicas + j``)."""
     from primerl.runtime import read_runtime
 
     inf = cfg.inference
     started = read_runtime(cfg.output_dir)
+    if started is not None and started.prefill_urls and started.decode_urls:
+        prefill, decode = _urls(started.prefill_urls), _urls(started.decode_urls)
+    elif inf.prefill_urls and inf.decode_urls:
+        prefill, decode = _urls(inf.prefill_urls), _urls(inf.decode_urls)
+    else:
+        ports = [inf.port + i for i in range(inf.prefill_replicas + inf.decode_replicas)]
+        pools = [server_url(inf.host, p) for p in ports]
+        prefill, decode = tuple(pools[:inf.prefill_replicas]), tuple(pools[inf.prefill_replicas:])
     if started is not None and started.inference_urls:
-        return [u.rstrip("/") for u in started.inference_urls]
-    if inf.urls:
-        return [u.rstrip("/") for u in inf.urls]
-    if inf.prefill_replicas:  # prefill/decode pools: every server, prefill first
-        prefill, decode = pd_urls(cfg)
-        return prefill + decode
-    return [f"http://{inf.host}:{inf.port + i}" for i in range(inf.replicas)]
+        every = _urls(started.inference_urls)
+    elif inf.urls:
+        every = _urls(inf.urls)
+    elif inf.prefill_replicas:
+        every = prefill + decode
+    else:
+        every = tuple(server_url(inf.host, inf.port + i) for i in range(inf.replicas))
+    return Servers(every=every, prefill=prefill, decode=decode)
+
+
+def _urls(urls: Iterable[str]) -> tuple[str, ...]:
+    return tuple(u.rstrip("/") for u in urls)
+
+
+def inference_urls(cfg: Any) -> list[str]:
+    """Every inference server's base URL (:func:`servers`)."""
+    return list(servers(cfg).every)
 
 
 def pd_urls(cfg: Any) -> tuple[list[str], list[str]]:
-    """(prefill servers, decode servers) of a prefill/decode run: the launcher's (the
-    run-time record), else ``inference.prefill_urls`` / ``decode_urls``, else the pools on
-    consecutive ports from ``inference.port``."""
-    from primerl.runtime import read_runtime
-
-    started = read_runtime(cfg.output_dir)
-    if started is not None and started.prefill_urls and started.decode_urls:
-        return [u.rstrip("/") for u in started.prefill_urls], [u.rstrip("/") for u in started.decode_urls]
-    return cfg.inference.pd_urls()
+    """(prefill servers, decode servers) of a prefill/decode run (:func:`servers`)."""
+    found = servers(cfg)
+    return list(found.prefill), list(found.decode)

@@ -101,7 +101,7 @@ def server(checkpoint):
 def test_openai_echo_returns_the_prompt_and_its_logprobs(server, setup):
     from openai import OpenAI
 
-    from primerl.inference import CompletionChoice, CompletionLogprobs
+    from primerl.serving.protocol import CompletionChoice, CompletionLogprobs
 
     _, model, tok = setup
     client = OpenAI(base_url=server + "/v1", api_key="none")

@@ -176,9 +176,10 @@ def test_tools_are_rendered_into_the_prompt(server):
 
 
 def test_responses_carry_the_backend_contract_fields(server, tmp_path):
-    """Every record of primerl.inference (what the orchestrator reads from any backend) is
-    in the embedded server's answers, with nothing unaccounted for where the record is closed."""
-    from primerl import inference as api
+    """Every response record of primerl.serving.protocol (what the orchestrator reads from any
+    backend) is in the embedded server's answers, with nothing unaccounted for where the record
+    is closed."""
+    from primerl.serving import protocol as api
 
     def check(record, obj, closed=True):
         assert set(record.__required_keys__) <= set(obj), (record.__name__, sorted(obj))
@@ -201,7 +202,7 @@ def test_responses_carry_the_backend_contract_fields(server, tmp_path):
     check(api.ChatCompletionResponse, chat)
     for c in chat["choices"]:
         check(api.ChatChoice, c)
-        check(api.ChatMessage, c["message"])
+        check(api.AssistantMessage, c["message"])
         check(api.ChatTokenLogprob, c["logprobs"]["content"][0])
         check(api.TopLogprob, c["logprobs"]["content"][0]["top_logprobs"][0])
         assert c["routed_experts"]["shape"][0] == len(chat["prompt_token_ids"]) + len(c["token_ids"]) - 1
@@ -209,6 +210,10 @@ def test_responses_carry_the_backend_contract_fields(server, tmp_path):
     check(api.AdminStatus, httpx.get(server + api.ADMIN_STATUS).json())
     check(api.PauseResponse, httpx.post(server + api.ADMIN_RESUME).json())
     check(api.TokenizeResponse, httpx.post(server + api.TOKENIZE, json={"prompt": "hi"}).json())
+    check(api.DetokenizeResponse, httpx.post(server + api.DETOKENIZE, json={"tokens": [1, 2]}).json())
+    models = httpx.get(server + api.MODELS).json()
+    check(api.ModelList, models)
+    check(api.ModelCard, models["data"][0])
     bad = httpx.post(server + api.ADMIN_WEIGHTS, json={"path": str(tmp_path / "none")})
     check(api.ErrorResponse, bad.json())
     check(api.ErrorBody, bad.json()["error"])

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import attrs
 
 from primerl.envs.agent import AgentConfig, Endpoint, interleave
 from primerl.envs.multiturn import MultiTurnConfig, prompt_ids, turn_suffix
-from primerl.inference import RoutedExperts
 from primerl.samples import NO_VERSION, Sample, decode_routed_experts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from primerl.serving.protocol import RoutedExperts
 
 
 class RolloutClient(Protocol):

@@ -52,7 +52,8 @@ import attrs
 
 from primerl import watchdog
 from primerl.errors import PrimerlError
-from primerl.inference import (
+from primerl.routers import Route, Router
+from primerl.serving.protocol import (
     ADMIN_WEIGHTS,
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -60,7 +61,6 @@ from primerl.inference import (
     ChatCompletionResponse,
     CompletionResponse,
 )
-from primerl.routers import Route, Router
 
 
 def log(msg: str) -> None:
@@ -595,7 +595,7 @@ class PDInferenceClient:
 def inference_client(cfg: Any, router: Callable[[], Router] | None = None, *, servers: Sequence[str] | None = None,
                      **kwargs: Any) -> Client:
     """The client for run config ``cfg``: :class:`PDInferenceClient` over
-    ``inference.pd_urls()`` when prefill/decode are disaggregated, else an
+    :func:`primerl.inference.pd_urls` when prefill/decode are disaggregated, else an
     :class:`InferenceClient` over ``servers`` (the run's inference URLs). ``router`` makes a
     router (default: the ``inference.router`` plugin with ``inference.router_options``; one per
     pool with prefill/decode); ``kwargs`` go to the client."""

@@ -3,11 +3,14 @@
 What: the OpenAI-compatible API (``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``), vLLM's extensions that RL libraries call (``/v1/chat/completions/tokens``,
 ``/tokenize``, ``/detokenize``, and the token-in ``/inference/v1/generate``), ``/health``, ``/metrics`` and the admin endpoints
-(``/admin/weights``, ``/admin/pause``, ``/admin/resume``, ``/admin/status``): request
-parsing (:mod:`primerl.serving.protocol`), prompts and chat templates
-(:class:`~primerl.serving.frontend.TokenizerFrontend`), and the shaping of every response
-(text, stop strings, logprobs in OpenAI's two shapes, tool calls, usage, and primerl's
-token-exact fields: ``token_ids``, ``policy_versions``, ``routed_experts``).
+(``/admin/weights``, ``/admin/pause``, ``/admin/resume``, ``/admin/status``), each with the
+request and response :mod:`primerl.serving.protocol` writes down: request parsing, prompts
+and chat templates (:class:`TokenizerFrontend`), and the shaping of every response (text,
+stop strings, logprobs in OpenAI's two shapes, tool calls, usage, and primerl's token-exact
+fields: ``token_ids``, ``policy_versions``, ``routed_experts``). In front of every endpoint,
+:class:`Guard`: the API key and the body size; and the queue: at most ``max_queue``
+sequences wait beyond the ``max_batch_size`` a generator runs at once (``inference.max_queue``,
+for every backend), past which a request gets 503 with ``Retry-After``.
 
 Why: a backend implements only :class:`Generator` — prompt ids and sampling in; tokens,
 logprobs, policy versions and routed experts out (:class:`Generation`) — plus its admin
@@ -26,10 +29,12 @@ request: ``{"do_remote_decode": true}`` asks for the prefill phase (the generato
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -38,9 +43,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from primerl import inference as api
 from primerl.envs.multiturn import split_tool_calls
-from primerl.serving.frontend import Guard, TokenizerFrontend, error
+from primerl.serving import protocol as api
 from primerl.serving.protocol import (
     ChatCompletionRequest,
     ChatTokensRequest,
@@ -50,6 +54,114 @@ from primerl.serving.protocol import (
     TokenizeRequest,
     WeightUpdateRequest,
 )
+
+__all__ = ["MAX_BODY_BYTES", "Generation", "Generator", "Guard", "Refused", "Sampling", "TokenizerFrontend",
+           "create_app", "error", "prometheus"]
+
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a request body above this is refused (413) before it is parsed
+
+
+def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    """An error response in OpenAI's shape."""
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param,
+                                                               "code": status}})
+
+
+class Guard:
+    """ASGI middleware in front of every endpoint: the API key, then the body size.
+
+    * ``api_key`` set: a request without ``Authorization: Bearer <key>`` gets 401 (compared
+      in constant time), whatever the endpoint, admin ones included;
+    * a body over ``max_body_bytes`` gets 413, whether its ``Content-Length`` says so or it
+      arrives chunked: the body is read here up to the limit and handed on only if it fits,
+      so an oversized request never reaches the JSON parser and memory stays bounded.
+    """
+
+    def __init__(self, app: Any, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            response = error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (the server's "
+                                  "inference.api_key or PRIMERL_API_KEY)", kind="authentication_error")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return await response(scope, receive, send)
+        size = headers.get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.max_body_bytes:
+            return await self._too_large(scope, receive, send, int(size))
+        chunks, total, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_body_bytes:
+                return await self._too_large(scope, receive, send, None)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, delivered = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any, size: int | None) -> None:
+        what = f"of {size} bytes " if size is not None else ""
+        response = error(413, f"request body {what}exceeds the limit of {self.max_body_bytes} bytes")
+        response.headers["Connection"] = "close"
+        await response(scope, receive, send)
+
+
+class TokenizerFrontend:
+    """What the front does with the tokenizer before a generator runs: prompts given as text,
+    token ids or lists of either become token ids; chats go through the model's chat
+    template."""
+
+    tokenizer: Any
+
+    def piece(self, tok: int) -> str:
+        """One token's text, as logprobs report it; remembered (a response asks for every
+        token's, and decoding one token costs tens of microseconds)."""
+        pieces = self.__dict__.setdefault("_pieces", {})
+        if tok not in pieces:
+            pieces[tok] = self.tokenizer.decode([tok])
+        return pieces[tok]
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
+               template_kwargs: dict[str, Any] | None) -> list[int]:
+        """Token ids of a conversation through the chat template; ValueError names what failed."""
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=False, **(template_kwargs or {}))
+        except Exception as exc:
+            raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def prompts_of(self, req: Any) -> tuple[list[list[int]], list[str | None]]:
+        """Token ids of each prompt of a completion request, and its text when given as text
+        (echo returns it verbatim); ValueError when the prompt is none of the accepted shapes."""
+        p, enc = req.prompt, self.tokenizer.encode
+        if isinstance(p, str):
+            return [enc(p, add_special_tokens=False)], [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)], [None]
+        if p and all(isinstance(x, str) for x in p):
+            return [enc(x, add_special_tokens=False) for x in p], list(p)
+        if p and all(isinstance(x, list) for x in p):
+            return [list(x) for x in p], [None] * len(p)
+        raise ValueError("prompt must be a non-empty string, list of strings, or token id list(s)")
 
 
 class Refused(Exception):
@@ -118,6 +230,7 @@ class Generator(Protocol):
     tokenizer: Any
     model_name: str
     max_model_len: int
+    max_batch_size: int  # sequences it runs at once; the ones beyond wait (at most max_queue)
     serves_phases: bool  # prefill/decode phases (kv_transfer_params) are served, not ignored
 
     def check(self, prompt_ids: list[int], sampling: Sampling) -> None:
@@ -126,7 +239,7 @@ class Generator(Protocol):
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> list[Generation]:
         """``sampling.n`` sequences from ``prompt_ids``; :class:`Refused` when it cannot."""
 
-    async def prefill(self, prompts: list[list[int]], sampling: Sampling) -> dict[str, Any]:
+    async def prefill(self, prompts: list[list[int]], sampling: Sampling) -> api.PrefillResponse:
         """Prefill/decode's prefill phase: run the prompts, sample nothing, hand their KV on;
         the response (with the decode phase's ``kv_transfer_params``)."""
 
@@ -168,15 +281,36 @@ def _check_handoff(req: Any, prompts: list[list[int]]) -> None:
 
 
 class Front(TokenizerFrontend):
-    """The endpoints, as methods over a :class:`Generator`."""
+    """The endpoints, as methods over a :class:`Generator`. ``max_queue``: sequences that may
+    wait beyond the generator's ``max_batch_size`` (None: no limit here)."""
 
-    def __init__(self, gen: Generator) -> None:
+    def __init__(self, gen: Generator, max_queue: int | None = None) -> None:
         self.gen = gen
         self.tokenizer = gen.tokenizer
         self.started = time.time()
+        self.max_queue = max_queue
+        self.in_flight = 0  # sequences handed to the generator and not answered yet
 
     def _phase(self, req: Any) -> str | None:
         return phase_of(req) if self.gen.serves_phases else None
+
+    @contextlib.contextmanager
+    def admitted(self, sequences: int) -> Iterator[None]:
+        """Count ``sequences`` in flight while the block runs; :class:`Refused` (503, with
+        ``Retry-After``) when more than ``max_queue`` would then wait beyond the generator's
+        batch. The server keeps serving what it holds; the client retries later."""
+        if self.max_queue is not None:
+            waiting = self.in_flight + sequences - self.gen.max_batch_size
+            if waiting > self.max_queue:
+                raise Refused(503, f"the queue is full ({self.in_flight} sequences in flight, at most "
+                                   f"{self.max_queue} may wait beyond the {self.gen.max_batch_size} running: "
+                                   f"inference.max_queue): retry later", kind="server_busy",
+                              headers={"Retry-After": "1"})
+        self.in_flight += sequences
+        try:
+            yield
+        finally:
+            self.in_flight -= sequences
 
     # ---- shaping --------------------------------------------------------------------------
     def text_of(self, g: Generation) -> str:
@@ -230,9 +364,10 @@ class Front(TokenizerFrontend):
     async def health(self) -> api.Health:
         return self.gen.health()
 
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.gen.model_name, "object": "model", "created": int(self.started),
-                                            "owned_by": "primerl", "max_model_len": self.gen.max_model_len}]}
+    async def models(self) -> api.ModelList:
+        return api.ModelList(object="list", data=[api.ModelCard(
+            id=self.gen.model_name, object="model", created=int(self.started), owned_by="primerl",
+            max_model_len=self.gen.max_model_len)])
 
     async def completions(self, req: CompletionRequest) -> Any:
         try:
@@ -245,11 +380,12 @@ class Front(TokenizerFrontend):
         try:
             for ids in prompts:
                 self.gen.check(ids, sampling)
-            if sampling.phase == "prefill":
-                return JSONResponse(await self.gen.prefill(prompts, sampling))
-            if sampling.phase == "decode":
-                _check_handoff(req, prompts)
-            results = await asyncio.gather(*(self.gen.generate(ids, sampling) for ids in prompts))
+            with self.admitted(sampling.n * len(prompts)):
+                if sampling.phase == "prefill":
+                    return JSONResponse(await self.gen.prefill(prompts, sampling))
+                if sampling.phase == "decode":
+                    _check_handoff(req, prompts)
+                results = await asyncio.gather(*(self.gen.generate(ids, sampling) for ids in prompts))
         except Refused as exc:
             return exc.response()
         choices: list[api.CompletionChoice] = []
@@ -279,17 +415,18 @@ class Front(TokenizerFrontend):
                                phase=self._phase(req))
         try:
             self.gen.check(ids, sampling)
-            if sampling.phase == "prefill":
-                return JSONResponse(await self.gen.prefill([ids], sampling))
-            if sampling.phase == "decode":
-                _check_handoff(req, [ids])
-            gens = await self.gen.generate(ids, sampling)
+            with self.admitted(sampling.n):
+                if sampling.phase == "prefill":
+                    return JSONResponse(await self.gen.prefill([ids], sampling))
+                if sampling.phase == "decode":
+                    _check_handoff(req, [ids])
+                gens = await self.gen.generate(ids, sampling)
         except Refused as exc:
             return exc.response()
         choices: list[api.ChatChoice] = []
         for i, g in enumerate(gens):
             text, finish = self.text_of(g), g.finish_reason
-            message = api.ChatMessage(role="assistant", content=text)
+            message = api.AssistantMessage(role="assistant", content=text)
             if req.parses_tools():
                 rest, calls = split_tool_calls(text)
                 if calls:
@@ -333,7 +470,8 @@ class Front(TokenizerFrontend):
                             priority=req.priority)
         try:
             self.gen.check(ids, sampling)
-            gens = await self.gen.generate(ids, sampling)
+            with self.admitted(sampling.n):
+                gens = await self.gen.generate(ids, sampling)
         except Refused as exc:
             return exc.response()
         choices: list[api.GenerateChoice] = []
@@ -376,7 +514,7 @@ class Front(TokenizerFrontend):
         n = len(self.tokenizer)
         if any(t < 0 or t >= n for t in req.tokens):
             return error(400, f"token ids must be in [0, {n})", "tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        return api.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     async def metrics(self) -> PlainTextResponse:
         return PlainTextResponse(await self.gen.metrics(), media_type="text/plain; version=0.0.4")
@@ -419,11 +557,12 @@ async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error(exc.status_code, str(exc.detail))
 
 
-def create_app(gen: Generator, *, api_key: str | None = None, title: str = "primerl inference") -> FastAPI:
-    """The app: :class:`Front` over ``gen`` routed at :mod:`primerl.inference`'s endpoints (and
-    the generator's own :meth:`~Generator.routes`), behind the
-    :class:`~primerl.serving.frontend.Guard` (API key, body size)."""
-    front = Front(gen)
+def create_app(gen: Generator, *, api_key: str | None = None, max_queue: int | None = None,
+               title: str = "primerl inference") -> FastAPI:
+    """The app: :class:`Front` over ``gen`` routed at :mod:`primerl.serving.protocol`'s
+    endpoints (and the generator's own :meth:`~Generator.routes`), behind the :class:`Guard`
+    (API key, body size); ``max_queue``: ``inference.max_queue``."""
+    front = Front(gen, max_queue)
     app = FastAPI(title=title)
     app.state.front = front
     app.add_exception_handler(RequestValidationError, _invalid)

@@ -33,7 +33,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from primerl import inference as api
+from primerl.serving import protocol as api
 from primerl.serving.front import Generation, Refused, Sampling, prometheus
 from primerl.serving.front import create_app as front_app
 from primerl.serving.protocol import WeightUpdateRequest
@@ -56,6 +56,7 @@ class EngineGenerator:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.max_batch_size = engine.max_batch_size
         self.load_weights = load_weights or self._stage_and_adopt
         self.handoff = KVHandoff(engine.kv_store)  # prefill/decode disaggregation's phases (primerl_embedded.pd)
 
@@ -133,7 +134,7 @@ class EngineGenerator:
                           routed_experts=routed, prompt_logprobs=seq.prompt_logprobs,
                           prompt_top_logprobs=seq.prompt_top_logprobs)
 
-    async def prefill(self, prompts: list[list[int]], sampling: Sampling) -> dict[str, Any]:
+    async def prefill(self, prompts: list[list[int]], sampling: Sampling) -> api.PrefillResponse:
         """P/D's prefill phase: run every prompt, sample nothing, and write its KV blocks (with
         their routed experts) to the KV store every server shares; answer what the decode
         server needs, as ``kv_transfer_params`` to send along with the same request."""
@@ -141,17 +142,15 @@ class EngineGenerator:
         results = await asyncio.gather(*(self.run(ids, SamplingParams(max_tokens=0), phase)
                                          for ids, phase in zip(prompts, phases)))
         n = sum(len(i) for i in prompts)
-        return {
-            "id": f"prefill-{uuid.uuid4().hex}", "object": "primerl.prefill", "created": int(time.time()),
-            "model": self.model_name,
-            "usage": api.Usage(prompt_tokens=n, completion_tokens=0, total_tokens=n),
-            "kv_transfer_params": {
-                "do_remote_prefill": True, "block_size": self.handoff.block_size,
+        return api.PrefillResponse(
+            id=f"prefill-{uuid.uuid4().hex}", object="primerl.prefill", created=int(time.time()),
+            model=self.model_name, usage=api.Usage(prompt_tokens=n, completion_tokens=0, total_tokens=n),
+            kv_transfer_params=api.PrefillTransfer(
+                do_remote_prefill=True, block_size=self.handoff.block_size,
                 # per prompt: its ids, the full blocks the store holds, the weights that computed them
-                "prompts": [{"prompt_token_ids": ids, "blocks": phase.blocks, "policy_version": seqs[0].kv_version}
-                            for ids, phase, seqs in zip(prompts, phases, results)],
-            },
-        }
+                prompts=[api.PrefilledPrompt(prompt_token_ids=ids, blocks=phase.blocks,
+                                             policy_version=seqs[0].kv_version)
+                         for ids, phase, seqs in zip(prompts, phases, results)]))
 
     # ---- health, metrics, admin -------------------------------------------------------------
     def health(self) -> api.Health:
@@ -210,7 +209,9 @@ class EngineGenerator:
 
 
 def create_app(engine: Engine, tokenizer: Any, model_name: str,
-               load_weights: Callable[[str], Any] | None = None, *, api_key: str | None = None) -> FastAPI:
-    """The one serving front over the engine (:func:`primerl.serving.front.create_app`)."""
+               load_weights: Callable[[str], Any] | None = None, *, api_key: str | None = None,
+               max_queue: int | None = None) -> FastAPI:
+    """The one serving front over the engine (:func:`primerl.serving.front.create_app`);
+    ``max_queue``: ``inference.max_queue`` (the engine holds its own queue to it too)."""
     return front_app(EngineGenerator(engine, tokenizer, model_name, load_weights), api_key=api_key,
-                     title="primerl embedded inference")
+                     max_queue=max_queue, title="primerl embedded inference")

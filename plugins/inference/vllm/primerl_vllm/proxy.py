@@ -1,7 +1,7 @@
 """The primerl-contract server in front of vLLM: what the orchestrator talks to.
 
 vLLM's OpenAI endpoints answer most of what RL needs, but not all of primerl's contract
-(:mod:`primerl.inference`): no per-token policy versions, and weight updates are a sequence
+(:mod:`primerl.serving.protocol`): no per-token policy versions, and weight updates are a sequence
 of dev endpoints rather than one call. This thin server keeps the contract and lets vLLM
 do the work:
 
@@ -50,14 +50,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from primerl import inference as api
-from primerl.serving import protocol
-from primerl.serving.front import Generation, Refused, Sampling, prometheus
+from primerl.serving import protocol as api
+from primerl.serving.front import Generation, Refused, Sampling, error, prometheus
 from primerl.serving.front import create_app as front_app
-from primerl.serving.frontend import error
 from primerl_vllm.weight_transfer import NCCL_MARKER, PREFIX
 
-GENERATE = "/inference/v1/generate"
 # vLLM's pause: requests in flight stay in the engine with their KV cache (clear_cache would
 # preempt them and prefill them again under the new weights); new requests never reuse older
 # weights' prefixes anyway (cache_salt)
@@ -162,11 +159,12 @@ class Proxy:
 
     def __init__(self, upstream: str, tokenizer: Any, model_name: str, *, max_model_len: int,
                  served_config: dict[str, Any], moe_layout: dict[str, Any], version: int = 0,
-                 nccl: bool = False) -> None:
+                 nccl: bool = False, max_batch_size: int = 64) -> None:
         self.upstream = upstream
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_batch_size = max_batch_size  # vLLM's --max-num-seqs
         self.served_config = served_config
         self.moe_layers = list(moe_layout.get("moe_layers") or [])
         self.num_experts = int(moe_layout.get("num_experts") or 0)
@@ -238,7 +236,7 @@ class Proxy:
                 "output_mode": "tokens", "cache_salt": salt, "priority": priority}
         self.in_flight += sampling["n"]
         try:
-            return await self.call("POST", GENERATE, json=body), version
+            return await self.call("POST", api.GENERATE, json=body), version
         finally:
             self.in_flight -= sampling["n"]
             self.answered += 1
@@ -365,7 +363,7 @@ class Proxy:
                         f"{self.served_config[key]!r}")
         return None
 
-    async def update_weights(self, req: protocol.WeightUpdateRequest) -> Any:
+    async def update_weights(self, req: api.WeightUpdateRequest) -> Any:
         if Path(req.path).is_dir() and (Path(req.path) / NCCL_MARKER).exists():
             return await self.confirm_nccl(req)
         why = self.check_update(req.path)
@@ -404,7 +402,7 @@ class Proxy:
         return error(400, "this server was not started for NCCL weight transfer: run with --trainer.weight_channel "
                           "nccl (vLLM then starts with --weight-transfer-config), on CUDA GPUs")
 
-    async def confirm_nccl(self, req: protocol.WeightUpdateRequest) -> Any:
+    async def confirm_nccl(self, req: api.WeightUpdateRequest) -> Any:
         """``/admin/weights`` with the trainer's NCCL marker: the weights arrived over NCCL
         already (the trainer publishes the marker after its send finished); confirm them."""
         refused = self.nccl_refused()
@@ -553,10 +551,10 @@ async def _upstream(_req: Request, exc: UpstreamError) -> JSONResponse:
     return upstream_error(exc)
 
 
-def create_app(proxy: Proxy, *, api_key: str | None = None) -> FastAPI:
+def create_app(proxy: Proxy, *, api_key: str | None = None, max_queue: int | None = None) -> FastAPI:
     """The one serving front over ``proxy`` (:func:`primerl.serving.front.create_app`), with
-    vLLM's failures answered in OpenAI's shape."""
-    app = front_app(proxy, api_key=api_key, title="primerl vLLM inference")
+    vLLM's failures answered in OpenAI's shape; ``max_queue``: ``inference.max_queue``."""
+    app = front_app(proxy, api_key=api_key, max_queue=max_queue, title="primerl vLLM inference")
     app.state.proxy = proxy
     app.add_exception_handler(httpx.HTTPError, _upstream_down)
     app.add_exception_handler(UpstreamError, _upstream)
