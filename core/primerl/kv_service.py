@@ -14,10 +14,11 @@ Slurm job on its nodes) runs it as a process of its own::
     python -m primerl.kv_service OUT/config.toml --options FILE [--host H] [--port P] [--launch ID]
 
 which starts the service, writes its options to ``FILE`` (a JSON object, written whole: a
-reader never sees half of it; ``{}`` when the run needs no service), and then either exits 0
-at once (the service runs nothing to watch, or there is none) or serves until it is
-stopped (SIGTERM, SIGINT: the service is stopped, exit 143 / 130) or its process ends on
-its own (exit 1, naming it): the caller fails the run then.
+reader never sees half of it; ``{}`` when the run needs no service: the file's existence
+says the service serves), and then stays until it is stopped (SIGTERM, SIGINT: the service
+is stopped, exit 143 / 130), also when the service runs nothing to watch (a folder), so that
+a supervisor treats it as any run service (:attr:`primerl.supervisor.Duty.SUPPORTS`: its
+exit fails the run). A service whose process ends on its own ends it (exit 1, naming it).
 """
 
 from __future__ import annotations
@@ -67,9 +68,7 @@ def serve(cfg: Any, site: ServiceSite, options_file: Path, poll_s: float = 1.0) 
     service = start_run_service(cfg, site)
     try:
         write_options(options_file, service.options() if service is not None else {})
-        if service is None or service.alive() is None:
-            return 0  # nothing runs: the options are all there is
-        while service.alive():
+        while service is None or service.alive() is not False:  # None: nothing runs, wait to be stopped
             time.sleep(poll_s)
         print(f"the KV store's run service ({cfg.inference.kv_store}) stopped serving: "
               f"{service.describe() or 'no description'}", file=sys.stderr, flush=True)

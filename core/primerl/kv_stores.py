@@ -350,7 +350,7 @@ class ServiceSite:
     service's log). ``host``: the address the service listens on, one every server of the
     run reaches (``inference.host`` on one machine; the job's first node under Slurm).
     ``port``: the first of the ports it may take, one after another (a Slurm job on several
-    nodes fixes them: ``launcher.mooncake_port``); 0: free ones. ``launch``: what tells this
+    nodes fixes them: ``launcher.kv_service_port``); 0: free ones. ``launch``: what tells this
     launch of the run from another (the Slurm job id; empty locally), for what must not
     outlive the launch (a folder named with it).
     """

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -113,16 +114,20 @@ def test_layout_errors_name_the_keys(tmp_path):
     assert r.returncode == 2 and "unknown key 'launcher.nodes'" in r.stderr
 
 
-def test_dry_run_places_prefill_decode_servers_and_the_mooncake_master(tmp_path):
+def test_dry_run_places_prefill_decode_servers_and_the_kv_stores_service(tmp_path):
     out = tmp_path / "run"
     r = primerl("run", "--launcher", "slurm", "--launcher.nodes", "3", "--launcher.inference_nodes", "2",
                 "--inference.prefill_replicas", "2", "--inference.decode_replicas", "2",
                 "--inference.kv_store", "mooncake", "--dry-run", "--output-dir", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     procs = processes(out)
-    # the master first, on the first node at its address; two servers a node, each pool's role
-    assert list(procs)[0] == "mooncake" and procs["mooncake"][0] == "node0"
-    assert "--host '<address of node 0>' --rpc-port 50051" in procs["mooncake"][1]
+    # the store's declared run service (Mooncake's master) first, on the first node at its
+    # address, its ports from launcher.kv_service_port; two servers a node, each pool's role
+    assert list(procs)[0] == "kv_service" and procs["kv_service"][0] == "node0"
+    service = shlex.split(procs["kv_service"][1])
+    assert service[1:] == ["-m", "primerl.kv_service", str(out / "config.toml"),
+                           "--options", str(out / "slurm" / "job-<job id>.kv.json"),
+                           "--host", "<address of node 0>", "--port", "50051", "--launch", "<job id>"]
     assert {name: procs[name][0] for name in procs if name.startswith("inference")} == {
         "inference-prefill-0": "node0", "inference-prefill-1": "node0",
         "inference-decode-0": "node1", "inference-decode-1": "node1"}

@@ -53,6 +53,7 @@ from typing import Any
 
 from primerl.config import RunConfig, dump_toml, to_dict
 from primerl.errors import PrimerlError
+from primerl.inference import server_url
 from primerl.kv_service import start_run_service
 from primerl.kv_stores import ServiceSite
 from primerl.launchers import inference_names, inference_roles, pick_ports, process_command
@@ -69,7 +70,7 @@ DUTIES = {"inference": Duty.SERVES, "orchestrator": Duty.WORKS, "trainer": Duty.
 def run_time(cfg: RunConfig, ports: list[int], kv_store_options: dict[str, Any]) -> RunTime:
     """What this launch discovered: the servers' URLs (with prefill/decode, each pool's) and
     the KV store service's options."""
-    urls = tuple(f"http://{cfg.inference.host}:{p}" for p in ports)
+    urls = tuple(server_url(cfg.inference.host, p) for p in ports)
     n = cfg.inference.prefill_replicas if cfg.inference.disaggregated() else 0
     return RunTime(inference_urls=urls, prefill_urls=urls[:n], decode_urls=urls[n:] if n else (),
                    kv_store_options=kv_store_options)
@@ -160,7 +161,7 @@ class LocalLauncher:
             run_time(cfg, ports, service.options() if service is not None else {}).write(run_dir)
             view = LiveView(cfg, run_dir)
             supervisor = Supervisor(cfg, run_dir, children(cfg, run_dir, ports), _View(view),
-                                    urls=lambda: [f"http://{cfg.inference.host}:{p}" for p in ports])
+                                    urls=lambda: [server_url(cfg.inference.host, p) for p in ports])
             with view:
                 outcome = supervisor.run()
                 view.refresh()

@@ -60,7 +60,7 @@ class SlurmConfig(LauncherConfig):
     # the first port of the KV store's run service on the job's first node, when the store
     # declares one (Mooncake's master: its RPC port, +1 its metadata server, +2 its metrics);
     # a one-node job picks free ports
-    mooncake_port: int = attrs.field(default=50051, validator=_min(1))
+    kv_service_port: int = attrs.field(default=50051, validator=_min(1))
     # a node lost mid-run (NODE_FAIL): true requeues the job (sbatch --requeue), which resumes
     # the run from its newest checkpoint once Slurm has nodes for it, and primerl run follows
     # it; false ends the run, naming the node, and the same command resumes it

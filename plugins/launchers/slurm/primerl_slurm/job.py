@@ -10,11 +10,14 @@ The batch script (``OUT/slurm/primerl.sbatch``) runs this and nothing else. It:
    inference nodes (``inference.port + i`` on each; on a one-node job free ports, as the
    local launcher picks them), the orchestrator on the first node, the trainer on each
    trainer node (torchrun; across nodes a c10d rendezvous on the first trainer node's address,
-   ``launcher.rdzv_port``), the Mooncake master on the first node when
-   ``inference.kv_store = "mooncake"``;
+   ``launcher.rdzv_port``), and the KV store's run service on the first node when the store
+   declares one (:attr:`primerl.kv_stores.KVStoreCapabilities.run_service`, run by
+   ``python -m primerl.kv_service``: Mooncake's master, the disk store's shared folder, a
+   third party's service; no store is named here);
 3. runs each process as an ``srun`` step of its own on its node (``--overlap``: steps share
    a node's CPUs, each asking for its share) under :class:`primerl.supervisor.Supervisor`,
-   the policy the local launcher runs too: the Mooncake master first, waited for; then the
+   the policy the local launcher runs too: the KV store's run service first, waited for
+   until it wrote its options (``OUT/slurm/job-<id>.kv.json``); then the
    run-time record ``OUT/runtime.json`` (the servers' URLs at their nodes' addresses, each
    pool's with prefill/decode, the KV store's options); then everything else. Each
    process's output goes to its own log, ``OUT/logs/<name>.log``, whichever node it runs on;
@@ -30,6 +33,7 @@ nothing a process on another node needs is bound to loopback.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import shlex
@@ -37,7 +41,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +48,17 @@ import attrs
 
 from primerl.config import RunConfig, load_config, split_args, tomllib
 from primerl.errors import PrimerlError
+from primerl.inference import server_url
 from primerl.launchers import inference_names, inference_roles, pick_ports, process_command
+from primerl.registry import get_registry
 from primerl.resume import prepare
 from primerl.rundir import RunDir
 from primerl.runtime import RunTime
 from primerl.supervisor import Child, Duty, Outcome, Supervisor
 from primerl_slurm.scripts import Layout, layout
 
-DUTIES = {"inference": Duty.SERVES, "orchestrator": Duty.WORKS, "trainer": Duty.FINISHES, "mooncake": Duty.SUPPORTS}
+DUTIES = {"inference": Duty.SERVES, "orchestrator": Duty.WORKS, "trainer": Duty.FINISHES, "kv_service": Duty.SUPPORTS}
+KV_SERVICE = "kv_service"  # the KV store's run service, as a process of the job (logs/kv_service.log)
 
 
 @attrs.frozen
@@ -69,7 +75,7 @@ class Process:
     """One process of the run, placed on one of the job's nodes."""
 
     name: str  # its log is logs/<name>.log
-    kind: str  # inference, orchestrator, trainer, mooncake
+    kind: str  # inference, orchestrator, trainer, kv_service
     node: Node
     command: tuple[str, ...]  # what runs there
     per_node: int = 1  # processes of its kind on its node (they split the node's CPUs)
@@ -89,15 +95,12 @@ def server_ports(cfg: RunConfig, lay: Layout) -> list[int]:
     return [first + i for i in range(lay.per_node)]
 
 
-def _url_host(cfg: RunConfig, lay: Layout, node: Node) -> str:
-    host = cfg.inference.host if lay.shared else node.address
-    return f"[{host}]" if ":" in host else host
-
-
 def server_urls(cfg: RunConfig, lay: Layout, nodes: list[Node], ports: list[int]) -> list[str]:
-    """Every server's URL in :func:`primerl.launchers.inference_names`' order."""
+    """Every server's URL in :func:`primerl.launchers.inference_names`' order (at its node's
+    address; on a one-node job at ``inference.host``)."""
     first = lay.inference_first
-    return [f"http://{_url_host(cfg, lay, nodes[first + i // lay.per_node])}:{ports[i % lay.per_node]}"
+    return [server_url(cfg.inference.host if lay.shared else nodes[first + i // lay.per_node].address,
+                       ports[i % lay.per_node])
             for i in range(lay.servers)]
 
 
@@ -119,13 +122,12 @@ def place(cfg: RunConfig, run_dir: RunDir, lay: Layout, nodes: list[Node], ports
     """Every process of the run on its node (``nodes`` in Slurm's order), services first."""
     head, config = nodes[0], run_dir.config
     placed: list[Process] = []
-    if cfg.inference.kv_store == "mooncake":  # primerl_kv_mooncake finds the binary and says what is missing
-        port = 0 if lay.shared else cfg.launcher.mooncake_port  # one node: free ports; else rpc, metadata, metrics
-        extra = [] if not port else ["--rpc-port", str(port), "--metadata-port", str(port + 1),
-                                     "--metrics-port", str(port + 2)]
+    if get_registry().capabilities("kv_store", cfg.inference.kv_store).run_service is not None:
+        port = 0 if lay.shared else cfg.launcher.kv_service_port  # one node: free ports; else fixed from this one
         host = cfg.inference.host if lay.shared else head.address
-        placed.append(Process(name="mooncake", kind="mooncake", node=head,
-                              command=(python, "-m", "primerl_kv_mooncake.master", "--host", host, *extra)))
+        placed.append(Process(name=KV_SERVICE, kind=KV_SERVICE, node=head, command=(
+            python, "-m", "primerl.kv_service", str(config), "--options", str(kv_options_file(run_dir, job_id)),
+            "--host", host, "--port", str(port), "--launch", job_id)))
     bind = None if lay.shared else "0.0.0.0"  # reached from the other nodes (an API key is required)
     for i, (name, role) in enumerate(zip(inference_names(cfg), inference_roles(cfg))):
         port = ports[i % lay.per_node]
@@ -236,27 +238,19 @@ def job_nodes(nodelist: str) -> list[Node]:
 # ---- the run's services and record --------------------------------------------------------
 
 
-def _options_printed(log: Path) -> dict[str, str]:
-    """``key=value`` lines a service printed once it serves (the Mooncake master: its address
-    and its metadata server, ``metadata`` last)."""
+def kv_options_file(run_dir: RunDir, job_id: str) -> Path:
+    """Where the job's KV service writes the options every server's store gets
+    (:mod:`primerl.kv_service`): ``OUT/slurm/job-<id>.kv.json``."""
+    return run_dir.root / "slurm" / f"job-{job_id}.kv.json"
+
+
+def kv_store_options(run_dir: RunDir, job_id: str) -> dict[str, Any]:
+    """What the KV store's run service set up for every server's store (the run-time record's
+    ``kv_store_options``), read once it serves; ``{}`` when the store declares no service."""
     try:
-        text = log.read_text(errors="replace")
-    except OSError:
+        return json.loads(kv_options_file(run_dir, job_id).read_text())
+    except FileNotFoundError:
         return {}
-    return dict(re.findall(r"^(master|metadata)=(\S+)$", text, re.MULTILINE))
-
-
-def kv_store_options(cfg: RunConfig, run_dir: RunDir, lay: Layout, job_id: str) -> Callable[[], dict[str, Any]]:
-    """What every server's store gets from the job (the run-time record's ``kv_store_options``),
-    asked once the services serve: the Mooncake master's addresses, or, for the ``disk``
-    store without a ``root``, one directory every server of the job shares."""
-    inf = cfg.inference
-    if inf.kv_store == "mooncake":
-        return lambda: _options_printed(run_dir.log("mooncake"))
-    if inf.kv_store == "disk" and "root" not in inf.kv_store_options:
-        shared = {"shared": True} if lay.prefill else {}
-        return lambda: {"root": str(run_dir.root / "kv" / f"disk-{job_id}"), **shared}
-    return dict
 
 
 class JobLog:
@@ -314,8 +308,7 @@ def children(cfg: RunConfig, run_dir: RunDir, lay: Layout, placed: list[Process]
     return [Child(name=p.name, duty=DUTIES[p.kind], command=tuple(step(p, cpus, write_step(p, run_dir, job_id))),
                   log=run_dir.log(p.name),
                   env={**env, **threads_of(p, cfg, lay, cpus)}, node=p.node.name, beacon=p.beacon,
-                  ready=(lambda: "metadata" in _options_printed(run_dir.log("mooncake"))) if p.kind == "mooncake"
-                  else None)
+                  ready=kv_options_file(run_dir, job_id).exists if p.kind == KV_SERVICE else None)
             for p in placed]
 
 
@@ -337,11 +330,11 @@ def run(run_dir: RunDir, job_id: str, nodelist: str) -> int:
     for p in placed:
         log.say(f"{p.name} on {p.node.name} (log {run_dir.log(p.name)})")
     n = lay.prefill
-    options = kv_store_options(cfg, run_dir, lay, job_id)
+    kv_options_file(run_dir, job_id).unlink(missing_ok=True)  # a requeued job's service writes its own
 
     def record() -> None:  # once the services serve: what every process reads beside config.toml
         RunTime(inference_urls=tuple(urls), prefill_urls=tuple(urls[:n]), decode_urls=tuple(urls[n:]) if n else (),
-                kv_store_options=options()).write(run_dir)
+                kv_store_options=kv_store_options(run_dir, job_id)).write(run_dir)
 
     supervisor = Supervisor(cfg, run_dir, children(cfg, run_dir, lay, placed, job_id), log, urls=lambda: urls,
                             services_ready=record)

