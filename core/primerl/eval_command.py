@@ -85,10 +85,11 @@ class Server:
 
     def __init__(self, cfg: RunConfig, scratch: Path) -> None:
         from primerl.children import own_group_and_die_with_parent
+        from primerl.inference import server_url
         from primerl.launchers import pick_ports
 
         self.port = pick_ports(cfg.inference.host, cfg.inference.port, 1)[0]
-        self.url = f"http://{cfg.inference.host}:{self.port}"
+        self.url = server_url(cfg.inference.host, self.port)
         self.log = scratch / "inference.log"
         cmd = [sys.executable, "-m", "primerl.cli", "inference", "@", str(scratch_config(cfg, scratch)),
                "--inference.port", str(self.port)]

@@ -18,6 +18,8 @@ import attrs
 
 from primerl.rundir import RunDir, write_atomically
 
+__all__ = ["FORMAT", "VERSION", "RunTime", "read_runtime"]
+
 FORMAT = "primerl.runtime"
 VERSION = 1
 

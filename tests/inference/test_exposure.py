@@ -127,42 +127,6 @@ def test_a_full_queue_gets_503_and_the_held_requests_finish(app_client):
     assert client.post("/v1/completions", json={"model": "glm5", "prompt": [1, 2], "max_tokens": 2}).status_code == 200
 
 
-def test_the_front_holds_every_backend_to_max_queue(glm5):
-    """The shared front counts the sequences it handed to the generator: past the batch it runs
-    at once plus inference.max_queue, a request gets 503 with Retry-After whatever the backend
-    (here the embedded engine, whose own queue is left unbounded), and the held ones finish."""
-    import asyncio
-
-    from primerl_embedded.engine import Engine
-    from primerl_embedded.server import create_app
-
-    model, tok = glm5
-    engine = Engine(model, eos_token_ids=[tok.eos_token_id], max_batch_size=1, max_model_len=64, kv_slots=2)
-    app = create_app(engine, tok, "glm5", max_queue=2)
-    body = {"model": "glm5", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
-
-    async def scenario() -> tuple[int, str, str, list[int]]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
-            engine.pause()  # nothing runs: what the front hands over stays in flight
-            held = asyncio.create_task(client.post("/v1/completions", json={**body, "n": 3}, timeout=60))
-            while app.state.front.in_flight < 3:  # 3 in flight: 1 in the batch, 2 waiting
-                await asyncio.sleep(0.01)
-            over = await client.post("/v1/completions", json=body, timeout=60)  # a third would wait
-            engine.resume()
-            done = await held
-            return over.status_code, over.headers.get("retry-after"), over.json()["error"]["message"], \
-                [len(c["token_ids"]) for c in done.json()["choices"]]
-
-    engine.start()
-    try:
-        status, retry, message, held = asyncio.run(scenario())
-    finally:
-        engine.stop()
-    assert (status, retry) == (503, "1") and "inference.max_queue" in message
-    assert held == [2, 2, 2]
-
-
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True)
                        | st.text(max_size=20),
                        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,

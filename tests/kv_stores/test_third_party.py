@@ -145,37 +145,33 @@ def test_the_slurm_job_runs_the_service_the_store_declares(site, tmp_path):
     assert service.returncode == 143 and "third-party pool at 127.0.0.1:0" in said
 
 
-def test_the_vllm_backend_plays_the_connector_the_store_declares(site, tmp_path):
-    """vLLM's command line and environment for a server of a run with the store: the store's
-    connector, given the options its run service set (the run-time record)."""
-    pytest.importorskip("primerl_vllm", reason='the vllm backend plugin is not installed: pip install -e '
-                                               'plugins/inference/vllm')
-    # the run config as the servers read it, its [inference] the vllm backend's section (built
-    # from the shared keys: the backend's config check wants vLLM installed, the last test's)
-    script = textwrap.dedent(f"""
-        import json
-        from pathlib import Path
+# What a vLLM server of the run is started with: ``CONFIG`` builds the run config as that
+# server reads it; the run-time record says what the store's run service set up.
+SERVED = """
+import json
+from pathlib import Path
 
-        import attrs
-        from primerl.config import ConfigSources, InferenceConfig, load_config
-        from primerl.rundir import RunDir
-        from primerl.runtime import RunTime
-        from primerl_vllm.config import VllmConfig
-        from primerl_vllm.launch import vllm_command, vllm_env
+import attrs
+from primerl.config import ConfigSources, InferenceConfig, load_config
+from primerl.rundir import RunDir
+from primerl.runtime import RunTime
+from primerl_vllm.config import VllmConfig
+from primerl_vllm.launch import vllm_command, vllm_env
 
-        out = {str(tmp_path / "run")!r}
-        cfg = load_config(ConfigSources(overrides=[("inference.kv_store", {STORE!r}), ("output_dir", out)]))
-        shared = {{f.name: getattr(cfg.inference, f.name) for f in attrs.fields(InferenceConfig)}}
-        cfg = attrs.evolve(cfg, inference=VllmConfig(**{{**shared, "backend": "vllm"}}))
-        # what the launcher wrote once the store's run service served
-        RunTime(inference_urls=("http://127.0.0.1:8000",), kv_store_options={{"pool": "10.0.0.1:7000"}}).write(
-            RunDir(Path(out)))
-        cmd = vllm_command(cfg, "/model", 8123)
-        env = vllm_env(cfg)
-        print(json.dumps({{"transfer": json.loads(cmd[cmd.index("--kv-transfer-config") + 1]),
-                          "env": env.get("THIRD_PARTY_KV_POOL")}}))
-    """)
-    (tmp_path / "run").mkdir()
+out = Path(OUT)
+{config}
+RunTime(inference_urls=("http://127.0.0.1:8000",), kv_store_options={{"pool": "10.0.0.1:7000"}}).write(RunDir(out))
+cmd = vllm_command(cfg, "/model", 8123)
+env = vllm_env(cfg)
+print(json.dumps({{"transfer": json.loads(cmd[cmd.index("--kv-transfer-config") + 1]),
+                  "env": env.get("THIRD_PARTY_KV_POOL")}}))
+"""
+
+
+def check_served(site: Path, out: Path, config: str) -> None:
+    """vLLM's ``--kv-transfer-config``, environment and files for a server of the run in
+    ``out``: the store's connector, given the options its run service set."""
+    script = f"OUT = {str(out)!r}\n" + SERVED.format(config=textwrap.dedent(config))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env_with(site), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -183,7 +179,21 @@ def test_the_vllm_backend_plays_the_connector_the_store_declares(site, tmp_path)
                                "kv_connector_module_path": "primerl_kv_third.connector",
                                "kv_connector_extra_config": {"pool": "10.0.0.1:7000"}}
     assert got["env"] == "10.0.0.1:7000"
-    assert (tmp_path / "run" / "kv" / "third.json").exists()  # the connector's file, written before vLLM starts
+    assert (out / "kv" / "third.json").exists()  # the connector's file, written before vLLM starts
+
+
+def test_the_vllm_backend_plays_the_connector_the_store_declares(site, tmp_path):
+    """The vLLM backend's command line for a run with the store, its ``[inference]`` the
+    backend's section built from the shared keys (loading it through the config wants vLLM
+    installed: the next test)."""
+    pytest.importorskip("primerl_vllm", reason='the vllm backend plugin is not installed: pip install -e '
+                                               'plugins/inference/vllm')
+    (tmp_path / "run").mkdir()
+    check_served(site, tmp_path / "run", f"""
+        cfg = load_config(ConfigSources(overrides=[("inference.kv_store", {STORE!r}), ("output_dir", str(out))]))
+        shared = {{f.name: getattr(cfg.inference, f.name) for f in attrs.fields(InferenceConfig)}}
+        cfg = attrs.evolve(cfg, inference=VllmConfig(**{{**shared, "backend": "vllm"}}))
+    """)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -191,11 +201,14 @@ def test_the_vllm_backend_plays_the_connector_the_store_declares(site, tmp_path)
                            '"plugins/inference/vllm[cpu]" (CPU; [gpu] on a CUDA machine)')
 def test_a_vllm_slurm_dry_run_wires_the_stores_connector_and_service(site, tmp_path):
     """``primerl run --inference.backend vllm --launcher slurm --dry-run`` with the store: the
-    config check plays its connector (a connector that fails is refused there), and the job
-    starts its service first."""
+    job starts its service first, and a server reading the config the dry run wrote starts
+    vLLM with the store's connector."""
     out = tmp_path / "run"
     r = primerl(site, "run", "--model", "qwen3", "--inference.backend", "vllm", "--launcher", "slurm",
                 "--inference.kv_store", STORE, "--dry-run", "--output-dir", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert list(processes(out))[0] == "kv_service"
-    assert f'kv_store = "{STORE}"' in (out / "config.toml").read_text()
+    check_served(site, out, """
+        cfg = load_config(ConfigSources(files=[str(out / "config.toml")]))
+        assert isinstance(cfg.inference, VllmConfig)
+    """)

@@ -11,3 +11,5 @@ Backends (the embedded engine's server, the vLLM backend's proxy) import these; 
 import each other. Importing this package imports nothing heavy; its modules need the
 ``train`` extra (fastapi, pydantic).
 """
+
+__all__: list[str] = []  # the modules above are the API: import them

@@ -8,9 +8,7 @@ request and response :mod:`primerl.serving.protocol` writes down: request parsin
 and chat templates (:class:`TokenizerFrontend`), and the shaping of every response (text,
 stop strings, logprobs in OpenAI's two shapes, tool calls, usage, and primerl's token-exact
 fields: ``token_ids``, ``policy_versions``, ``routed_experts``). In front of every endpoint,
-:class:`Guard`: the API key and the body size; and the queue: at most ``max_queue``
-sequences wait beyond the ``max_batch_size`` a generator runs at once (``inference.max_queue``,
-for every backend), past which a request gets 503 with ``Retry-After``.
+:class:`Guard`: the API key and the body size.
 
 Why: a backend implements only :class:`Generator` — prompt ids and sampling in; tokens,
 logprobs, policy versions and routed experts out (:class:`Generation`) — plus its admin
@@ -29,12 +27,11 @@ request: ``{"do_remote_decode": true}`` asks for the prefill phase (the generato
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -230,7 +227,6 @@ class Generator(Protocol):
     tokenizer: Any
     model_name: str
     max_model_len: int
-    max_batch_size: int  # sequences it runs at once; the ones beyond wait (at most max_queue)
     serves_phases: bool  # prefill/decode phases (kv_transfer_params) are served, not ignored
 
     def check(self, prompt_ids: list[int], sampling: Sampling) -> None:
@@ -281,36 +277,15 @@ def _check_handoff(req: Any, prompts: list[list[int]]) -> None:
 
 
 class Front(TokenizerFrontend):
-    """The endpoints, as methods over a :class:`Generator`. ``max_queue``: sequences that may
-    wait beyond the generator's ``max_batch_size`` (None: no limit here)."""
+    """The endpoints, as methods over a :class:`Generator`."""
 
-    def __init__(self, gen: Generator, max_queue: int | None = None) -> None:
+    def __init__(self, gen: Generator) -> None:
         self.gen = gen
         self.tokenizer = gen.tokenizer
         self.started = time.time()
-        self.max_queue = max_queue
-        self.in_flight = 0  # sequences handed to the generator and not answered yet
 
     def _phase(self, req: Any) -> str | None:
         return phase_of(req) if self.gen.serves_phases else None
-
-    @contextlib.contextmanager
-    def admitted(self, sequences: int) -> Iterator[None]:
-        """Count ``sequences`` in flight while the block runs; :class:`Refused` (503, with
-        ``Retry-After``) when more than ``max_queue`` would then wait beyond the generator's
-        batch. The server keeps serving what it holds; the client retries later."""
-        if self.max_queue is not None:
-            waiting = self.in_flight + sequences - self.gen.max_batch_size
-            if waiting > self.max_queue:
-                raise Refused(503, f"the queue is full ({self.in_flight} sequences in flight, at most "
-                                   f"{self.max_queue} may wait beyond the {self.gen.max_batch_size} running: "
-                                   f"inference.max_queue): retry later", kind="server_busy",
-                              headers={"Retry-After": "1"})
-        self.in_flight += sequences
-        try:
-            yield
-        finally:
-            self.in_flight -= sequences
 
     # ---- shaping --------------------------------------------------------------------------
     def text_of(self, g: Generation) -> str:
@@ -380,12 +355,11 @@ class Front(TokenizerFrontend):
         try:
             for ids in prompts:
                 self.gen.check(ids, sampling)
-            with self.admitted(sampling.n * len(prompts)):
-                if sampling.phase == "prefill":
-                    return JSONResponse(await self.gen.prefill(prompts, sampling))
-                if sampling.phase == "decode":
-                    _check_handoff(req, prompts)
-                results = await asyncio.gather(*(self.gen.generate(ids, sampling) for ids in prompts))
+            if sampling.phase == "prefill":
+                return JSONResponse(await self.gen.prefill(prompts, sampling))
+            if sampling.phase == "decode":
+                _check_handoff(req, prompts)
+            results = await asyncio.gather(*(self.gen.generate(ids, sampling) for ids in prompts))
         except Refused as exc:
             return exc.response()
         choices: list[api.CompletionChoice] = []
@@ -415,12 +389,11 @@ class Front(TokenizerFrontend):
                                phase=self._phase(req))
         try:
             self.gen.check(ids, sampling)
-            with self.admitted(sampling.n):
-                if sampling.phase == "prefill":
-                    return JSONResponse(await self.gen.prefill([ids], sampling))
-                if sampling.phase == "decode":
-                    _check_handoff(req, [ids])
-                gens = await self.gen.generate(ids, sampling)
+            if sampling.phase == "prefill":
+                return JSONResponse(await self.gen.prefill([ids], sampling))
+            if sampling.phase == "decode":
+                _check_handoff(req, [ids])
+            gens = await self.gen.generate(ids, sampling)
         except Refused as exc:
             return exc.response()
         choices: list[api.ChatChoice] = []
@@ -470,8 +443,7 @@ class Front(TokenizerFrontend):
                             priority=req.priority)
         try:
             self.gen.check(ids, sampling)
-            with self.admitted(sampling.n):
-                gens = await self.gen.generate(ids, sampling)
+            gens = await self.gen.generate(ids, sampling)
         except Refused as exc:
             return exc.response()
         choices: list[api.GenerateChoice] = []
@@ -557,12 +529,11 @@ async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error(exc.status_code, str(exc.detail))
 
 
-def create_app(gen: Generator, *, api_key: str | None = None, max_queue: int | None = None,
-               title: str = "primerl inference") -> FastAPI:
+def create_app(gen: Generator, *, api_key: str | None = None, title: str = "primerl inference") -> FastAPI:
     """The app: :class:`Front` over ``gen`` routed at :mod:`primerl.serving.protocol`'s
     endpoints (and the generator's own :meth:`~Generator.routes`), behind the :class:`Guard`
-    (API key, body size); ``max_queue``: ``inference.max_queue``."""
-    front = Front(gen, max_queue)
+    (API key, body size)."""
+    front = Front(gen)
     app = FastAPI(title=title)
     app.state.front = front
     app.add_exception_handler(RequestValidationError, _invalid)

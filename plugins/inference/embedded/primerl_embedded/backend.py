@@ -90,7 +90,7 @@ class EmbeddedBackend:
         watchdog.add_progress_source(lambda: engine.stats.prompt_tokens + engine.stats.generated_tokens)
         watchdog.doing("serving")
         app = create_app(engine, tokenizer, cfg.model.name, load_weights=self.weight_loader(engine, adapter),
-                         api_key=cfg.inference.resolved_api_key(), max_queue=cfg.inference.max_queue)
+                         api_key=cfg.inference.resolved_api_key())
         try:
             uvicorn.run(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning")
         finally:

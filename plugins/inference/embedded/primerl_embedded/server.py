@@ -56,7 +56,6 @@ class EngineGenerator:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
-        self.max_batch_size = engine.max_batch_size
         self.load_weights = load_weights or self._stage_and_adopt
         self.handoff = KVHandoff(engine.kv_store)  # prefill/decode disaggregation's phases (primerl_embedded.pd)
 
@@ -209,9 +208,7 @@ class EngineGenerator:
 
 
 def create_app(engine: Engine, tokenizer: Any, model_name: str,
-               load_weights: Callable[[str], Any] | None = None, *, api_key: str | None = None,
-               max_queue: int | None = None) -> FastAPI:
-    """The one serving front over the engine (:func:`primerl.serving.front.create_app`);
-    ``max_queue``: ``inference.max_queue`` (the engine holds its own queue to it too)."""
+               load_weights: Callable[[str], Any] | None = None, *, api_key: str | None = None) -> FastAPI:
+    """The one serving front over the engine (:func:`primerl.serving.front.create_app`)."""
     return front_app(EngineGenerator(engine, tokenizer, model_name, load_weights), api_key=api_key,
-                     max_queue=max_queue, title="primerl embedded inference")
+                     title="primerl embedded inference")

@@ -120,12 +120,12 @@ class VllmBackend:
             log(f"vLLM ready after {seconds:.0f}s; primerl API on http://{inf.host}:{inf.port}")
             proxy = Proxy(server.url, adapter.tokenizer(cfg.model), cfg.model.name, max_model_len=inf.max_model_len,
                           served_config=served_config, moe_layout=adapter.moe_layout(cfg.model),
-                          nccl=cfg.trainer.weight_channel == "nccl", max_batch_size=inf.max_batch_size)
+                          nccl=cfg.trainer.weight_channel == "nccl")
             from primerl import watchdog
 
             watchdog.add_progress_source(lambda: proxy.answered)
             watchdog.doing("serving (vLLM at " + server.url + ")")
-            web = uvicorn.Server(uvicorn.Config(create_app(proxy, api_key=inf.resolved_api_key(), max_queue=inf.max_queue), host=inf.host, port=inf.port, log_level="warning"))
+            web = uvicorn.Server(uvicorn.Config(create_app(proxy, api_key=inf.resolved_api_key()), host=inf.host, port=inf.port, log_level="warning"))
 
             def watch() -> None:  # vLLM gone: stop serving, so the launcher sees this process end
                 while not web.should_exit:

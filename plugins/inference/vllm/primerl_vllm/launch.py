@@ -47,6 +47,7 @@ from typing import Any
 
 from primerl.children import own_group_and_die_with_parent
 from primerl.errors import PrimerlError
+from primerl.inference import server_url
 from primerl.kv_stores import store_options
 
 GRACE_SECONDS = 15.0
@@ -181,7 +182,7 @@ class VllmServer:
 
     def __init__(self, cmd: list[str], env: dict[str, str], port: int) -> None:
         self.cmd, self.env, self.port = cmd, env, port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = server_url("127.0.0.1", port)  # vLLM's own server, behind the proxy
         self.proc: subprocess.Popen | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=400)
 

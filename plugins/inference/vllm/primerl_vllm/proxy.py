@@ -159,12 +159,11 @@ class Proxy:
 
     def __init__(self, upstream: str, tokenizer: Any, model_name: str, *, max_model_len: int,
                  served_config: dict[str, Any], moe_layout: dict[str, Any], version: int = 0,
-                 nccl: bool = False, max_batch_size: int = 64) -> None:
+                 nccl: bool = False) -> None:
         self.upstream = upstream
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.max_batch_size = max_batch_size  # vLLM's --max-num-seqs
         self.served_config = served_config
         self.moe_layers = list(moe_layout.get("moe_layers") or [])
         self.num_experts = int(moe_layout.get("num_experts") or 0)
@@ -551,10 +550,10 @@ async def _upstream(_req: Request, exc: UpstreamError) -> JSONResponse:
     return upstream_error(exc)
 
 
-def create_app(proxy: Proxy, *, api_key: str | None = None, max_queue: int | None = None) -> FastAPI:
+def create_app(proxy: Proxy, *, api_key: str | None = None) -> FastAPI:
     """The one serving front over ``proxy`` (:func:`primerl.serving.front.create_app`), with
-    vLLM's failures answered in OpenAI's shape; ``max_queue``: ``inference.max_queue``."""
-    app = front_app(proxy, api_key=api_key, max_queue=max_queue, title="primerl vLLM inference")
+    vLLM's failures answered in OpenAI's shape."""
+    app = front_app(proxy, api_key=api_key, title="primerl vLLM inference")
     app.state.proxy = proxy
     app.add_exception_handler(httpx.HTTPError, _upstream_down)
     app.add_exception_handler(UpstreamError, _upstream)
