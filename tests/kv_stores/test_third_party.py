@@ -1,17 +1,17 @@
 """A KV store from outside the repository: it declares its vLLM connector and its run service,
 and the launchers and the vLLM backend use both without any change to primerl.
 
-The store is a distribution written here, in ``tmp_path`` (its module and its ``.dist-info``
-with the ``primerl`` entry point, as pip leaves an installed plugin), put on the
-``PYTHONPATH`` of the processes that run ``primerl``: nothing in this environment changes and
-no other test sees it. Nothing of primerl is mocked; the store's own parts are small but real.
+The store is a distribution written in ``tmp_path`` (``tests/third_party_kv.py``: its module
+and its ``.dist-info`` with the ``primerl`` entry point, as pip leaves an installed plugin),
+put on the ``PYTHONPATH`` of the processes that run ``primerl``: nothing in this environment
+changes and no other test sees it. Nothing of primerl is mocked; the store's own parts are
+small but real. A whole Slurm run with it: ``tests/launchers/test_slurm.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -21,89 +21,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-STORE = "third-party-kv"
-CONNECTOR = "ThirdPartyKVConnector"
-
-PLUGIN = '''
-"""The third party's entry point module: one KV store, what it needs from vLLM and from a launcher."""
-from primerl import hookimpl
-from primerl.kv_stores import KVStoreCapabilities
-
-
-@hookimpl
-def register_kv_stores(register):
-    register("third-party-kv", "primerl_kv_third.store:build", description="a KV store from elsewhere",
-             capabilities=KVStoreCapabilities(run_service="primerl_kv_third.service:run_service",
-                                              vllm_connector="primerl_kv_third.vllm:connector"))
-'''
-STORE_MODULE = '''
-"""For the embedded engine: the memory store, built through the registry."""
-from primerl.registry import get_registry
-
-
-def build(**options):
-    return get_registry().load("kv_store", "memory")()
-'''
-SERVICE = '''
-"""The store's run service: where it listens is what every server's store (and vLLM's
-connector) gets."""
-
-
-class Pool:
-    def __init__(self, site):
-        self.site = site
-
-    def options(self):
-        return {"pool": f"{self.site.host}:{self.site.port}", "launch": self.site.launch}
-
-    def describe(self):
-        return f"third-party pool at {self.site.host}:{self.site.port}"
-
-    def alive(self):
-        return None  # nothing runs: the pool is an address
-
-    def stop(self):
-        pass
-
-
-def run_service(cfg, site):
-    return Pool(site)
-'''
-VLLM = '''
-"""What the store needs from vLLM: its own connector (a module outside vLLM), its pool's address."""
-from primerl.kv_stores import VllmConnector
-
-
-def connector(options, directory):
-    return VllmConnector(
-        transfer_config={"kv_connector": "ThirdPartyKVConnector", "kv_role": "kv_both",
-                         "kv_connector_module_path": "primerl_kv_third.connector",
-                         "kv_connector_extra_config": {"pool": options.get("pool", "unset")}},
-        env={"THIRD_PARTY_KV_POOL": str(options.get("pool", "unset"))},
-        files={str(directory / "third.json"): "{}"},
-    )
-'''
+from third_party_kv import CONNECTOR, STORE, env_with, write_store
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """A folder holding the third party's distribution as pip installs one."""
-    root = tmp_path_factory.mktemp("third-party")
-    pkg = root / "primerl_kv_third"
-    pkg.mkdir()
-    for name, text in {"__init__.py": "", "plugin.py": PLUGIN, "store.py": STORE_MODULE, "service.py": SERVICE,
-                       "vllm.py": VLLM}.items():
-        (pkg / name).write_text(text.lstrip())
-    info = root / "primerl_kv_third-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: primerl-kv-third\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[primerl]\nthird = primerl_kv_third.plugin\n")
-    return root
-
-
-def env_with(site: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return write_store(tmp_path_factory.mktemp("third-party"))
 
 
 def primerl(site: Path, *args: str) -> subprocess.CompletedProcess:

@@ -335,6 +335,28 @@ def test_one_node_run_completes_through_sbatch(slurm, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_third_party_kv_stores_service_runs_in_the_job(slurm, tmp_path):
+    """A KV store from outside the repository (tests/third_party_kv.py) declaring a run
+    service: the job runs it as its kv_service step until the run ends, and every server's
+    store gets the options it set (the run-time record), without primerl naming the store."""
+    from third_party_kv import STORE, env_with, write_store
+
+    site = write_store(tmp_path / "third-party")
+    out = tmp_path / "run"
+    r = primerl("run", "--model", "glm5", "--env", "reverse-text", "--launcher", "slurm", "--launcher.nodes", "1",
+                "--max-steps", "2", "--inference.kv_store", STORE, "--output-dir", str(out), *SMALL,
+                env={**slurm, "PYTHONPATH": env_with(site)["PYTHONPATH"]}, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = _job_id(r.stdout)
+    assert json.loads((out / "runtime.json").read_text())["kv_store_options"] == {"pool": "127.0.0.1:0",
+                                                                                   "launch": job}
+    assert "third-party pool at 127.0.0.1:0" in (out / "logs" / "kv_service.log").read_text()
+    assert _queue(slurm, job) == ""
+    time.sleep(1)
+    assert _processes_of(out) == []
+
+
+@pytest.mark.slow
 def test_failing_role_fails_the_run_with_its_cause(slurm, tmp_path):
     out = tmp_path / "run"
     r = primerl("run", "--model", "glm5", "--env", "reverse-text", "--launcher", "slurm", "--max-steps", "3",
