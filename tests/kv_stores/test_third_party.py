@@ -76,7 +76,8 @@ import json
 from pathlib import Path
 
 import attrs
-from primerl.config import ConfigSources, InferenceConfig, load_config
+from primerl.config import ConfigSources, load_config
+from primerl.inference import InferenceConfig
 from primerl.rundir import RunDir
 from primerl.runtime import RunTime
 from primerl_vllm.config import VllmConfig
