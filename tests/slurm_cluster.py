@@ -234,7 +234,7 @@ class Cluster:
     hostname (also its Slurm node name and its namespace) and IPv4 address."""
 
     def __init__(self, root: str | Path, nodes: int = 3, *, prefix: str = PREFIX, subnet: str = SUBNET,
-                 extra_conf: str = ""):
+                 extra_conf: str = "", slurmd_timeout: int = 30):
         if not 1 <= nodes <= 200:
             raise ValueError(f"nodes must be 1..200, not {nodes}")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,8}", prefix):
@@ -243,6 +243,8 @@ class Cluster:
             raise ValueError(f"subnet names a /24 by its first three numbers (like {SUBNET}), not {subnet!r}")
         self.root = Path(root).resolve()
         self.nodes, self.prefix, self.subnet, self.extra_conf = nodes, prefix, subnet, extra_conf
+        # seconds a node's slurmd may not answer before Slurm sets it DOWN (and fails its jobs: NODE_FAIL)
+        self.slurmd_timeout = slurmd_timeout
         self.names = [f"{prefix}-n{k}" for k in range(nodes)]
         self.addresses = [f"{subnet}.{10 + k}" for k in range(nodes)]
         self.head_address = f"{subnet}.1"
@@ -464,7 +466,7 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 MpiDefault=none
 ReturnToService=2
-SlurmdTimeout=30
+SlurmdTimeout={self.slurmd_timeout}
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 {node_lines}

@@ -157,12 +157,14 @@ class TrainerConfig:
     parallel: ParallelConfig = attrs.field(factory=lambda: ParallelConfig())  # [trainer.parallel]: the device mesh
     lora: LoraConfig = attrs.field(factory=lambda: LoraConfig())  # [trainer.lora]: low-rank adapters
 
-    def resolved_parallelism(self) -> str:
-        """The strategy ``parallelism`` names: ``auto`` is ``single`` for one process with
-        the default layout, else ``fsdp``."""
+    def resolved_parallelism(self, world_size: int | None = None) -> str:
+        """The strategy ``parallelism`` names: ``auto`` is ``single`` for one rank with the
+        default layout, else ``fsdp``. ``world_size``: the trainer's ranks over all its nodes
+        (``RunConfig.trainer_world_size()``; None: ``nproc``, one node)."""
         if self.parallelism != "auto":
             return self.parallelism
-        return "single" if self.nproc == 1 and self.parallel.is_trivial() else "fsdp"
+        ranks = self.nproc if world_size is None else world_size
+        return "single" if ranks == 1 and self.parallel.is_trivial() else "fsdp"
 
     def resolved_device(self) -> str:
         """``device``, with ``auto`` resolved: CUDA when torch sees a GPU."""
@@ -178,13 +180,13 @@ class TrainerConfig:
             return self.precision
         return "bfloat16" if self.resolved_device() == "cuda" else "float32"
 
-    def precision_problem(self, device: str) -> str | None:
-        """Why ``precision`` cannot hold on ``device``, or None."""
+    def precision_problem(self, device: str, world_size: int | None = None) -> str | None:
+        """Why ``precision`` cannot hold on ``device`` (for ``world_size`` ranks), or None."""
         if self.precision != "float32" or device != "cuda":
             return None
         from primerl.registry import get_registry
 
-        strategy = self.resolved_parallelism()
+        strategy = self.resolved_parallelism(world_size)
         if not get_registry().capabilities("parallelism", strategy).float32_on_cuda:
             return (f"trainer.precision = 'float32' with the {strategy} strategy on CUDA: it computes in bfloat16 "
                     "there (float32 master weights and gradient reductions); set --trainer.precision auto or bfloat16")
@@ -393,7 +395,7 @@ class RunConfig:
             raise ConfigError(f"trainer.lora.rank ({_src(sources, 'trainer.lora.rank')}) with trainer.fp8 "
                               f"({_src(sources, 'trainer.fp8')}): the FP8 matmuls replace the linears the adapters "
                               f"wrap; leave one of them off")
-        if self.trainer.device == "cuda" and (problem := self.trainer.precision_problem("cuda")):
+        if self.trainer.device == "cuda" and (problem := self.trainer.precision_problem("cuda", self.trainer_world_size())):
             raise ConfigError(f"{problem} ({_src(sources, 'trainer.precision')})")
         if not _is_loopback(self.inference.host) and not self.inference.resolved_api_key():
             raise ConfigError(

@@ -174,9 +174,12 @@ class ParallelismCapabilities:
 
     ``float32_on_cuda``: it computes in float32 on CUDA when ``trainer.precision`` says so
     (FSDP2 does not: it computes in bfloat16 there, masters and reductions in float32).
+    ``max_ranks``: the most trainer ranks it lays out (0: any); a run whose trainer has more
+    (``trainer.nproc`` x the launcher's trainer nodes) is refused when its config loads.
     """
 
     float32_on_cuda: bool = True
+    max_ranks: int = 0
 
 
 @runtime_checkable

@@ -113,7 +113,7 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
                 f"straight to the inference servers, which inference.backend {name!r} cannot receive: use "
                 f"--inference.backend vllm on GPUs, or --trainer.weight_channel filesystem (or shm)")
         if key == "trainer.parallelism":
-            name = cfg.trainer.resolved_parallelism()
+            name = cfg.trainer.resolved_parallelism(cfg.trainer_world_size())
         if key == "trainer.correction" and not name:
             continue  # none
         try:
@@ -122,6 +122,12 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
             if kind in ("loss", "correction", "advantage") and is_target(name):
                 continue  # a "module:attr" function, imported (and checked) by the process that uses it
             raise ConfigError(f"{key} = {name!r} ({origin_of(sources, key)}): {exc}") from None
+        if key == "trainer.parallelism" and 0 < reg.capabilities(kind, name).max_ranks < cfg.trainer_world_size():
+            raise ConfigError(
+                f"trainer.parallelism {name!r} ({origin_of(sources, key)}) lays out at most "
+                f"{reg.capabilities(kind, name).max_ranks} trainer rank(s), but the trainer has "
+                f"{cfg.trainer_world_size()} (trainer.nproc {cfg.trainer.nproc} x {cfg.launcher.trainer_nodes_used()} "
+                f"trainer node(s)): use trainer.parallelism fsdp (or auto)")
         options_key = OPTIONS_KEYS.get(key)
         if options_key and getattr(cfg.inference, options_key.partition(".")[2]):
             why = options_problem(kind, name, getattr(cfg.inference, options_key.partition(".")[2]))

@@ -109,6 +109,15 @@ def test_layout_errors_name_the_keys(tmp_path):
     r = primerl("run", "--launcher", "slurm", "--launcher.nodes", "3", "--inference.replicas", "3",
                 "--launcher.inference_nodes", "2", "--dry-run", "--output-dir", str(tmp_path / "b"))
     assert r.returncode == 2 and "inference.replicas (3) must be a multiple of launcher.inference_nodes (2)" in r.stderr
+    # a trainer over two nodes is two ranks: `single` is refused when the config loads, `auto` is fsdp
+    r = primerl("run", "--launcher", "slurm", "--launcher.nodes", "3", "--launcher.trainer_nodes", "2",
+                "--trainer.parallelism", "single", "--dry-run", "--output-dir", str(tmp_path / "c"))
+    assert r.returncode == 2 and "trainer.parallelism 'single'" in r.stderr, r.stderr
+    assert "the trainer has 2 (trainer.nproc 1 x 2 trainer node(s)): use trainer.parallelism fsdp" in r.stderr
+    from primerl.config import load_config, split_args
+
+    cfg = load_config(split_args(["--launcher.name", "slurm", "--launcher.nodes", "3", "--launcher.trainer_nodes", "2"]))
+    assert cfg.trainer.resolved_parallelism(cfg.trainer_world_size()) == "fsdp"
     # the local launcher keeps its one key
     r = primerl("run", "--launcher.nodes", "2", "--dry-run")
     assert r.returncode == 2 and "unknown key 'launcher.nodes'" in r.stderr

@@ -139,11 +139,11 @@ def main(cfg: RunConfig) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise PrimerlError("trainer.device is cuda but torch sees no CUDA GPU (a CPU build of torch, or no GPU "
                            "visible): set --trainer.device cpu or auto")
-    if problem := t.precision_problem(device):
+    if problem := t.precision_problem(device, cfg.trainer_world_size()):
         raise PrimerlError(problem)
     loss_fn = build_loss(t.loss, t.loss_options)  # fail fast on a bad name or option
     correction = build_correction(t.correction, t.correction_options)
-    parallelism = load_parallelism(t.resolved_parallelism())
+    parallelism = load_parallelism(t.resolved_parallelism(cfg.trainer_world_size()))
     owns_group = init_trainer_group(device)
     watchdog.start(f"trainer-{torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}", run, cfg)
     # the publishing rank's

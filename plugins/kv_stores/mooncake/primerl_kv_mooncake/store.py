@@ -28,8 +28,8 @@ comes through the run-time record (:mod:`primerl.runtime`) on top of them:
   no metadata server): or the master's HTTP metadata server, ``http://host:port/metadata``
   (:attr:`~primerl_kv_mooncake.master.MooncakeMaster.metadata_url`). Every client of one pool
   must use the same: a P2P client cannot read an HTTP one's memory.
-* ``local_host`` (default 127.0.0.1 when the master is on this machine, else this host's
-  name): the address other clients reach this one at.
+* ``local_host`` (default 127.0.0.1 when the master is on this machine, else this
+  machine's address on its route to the master): the address other clients reach this one at.
 * ``segment_bytes`` (default 4 GiB): memory this server lends the pool (allocated as it
   fills); ``buffer_bytes`` (default 256 MiB): its transfer buffer (one get or put moves at
   most this much).
@@ -148,6 +148,19 @@ def _is_local(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
+def address_towards(host: str) -> str:
+    """This machine's address on its route to ``host`` (the master): what the pool's other
+    clients, on other nodes, reach this one at. Not the hostname, which a node's own
+    ``/etc/hosts`` may map to a loopback address (Debian's 127.0.1.1); no packet is sent."""
+    try:
+        family, _, _, _, where = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(where)
+            return str(s.getsockname()[0])
+    except OSError:  # no route known here: the name, as the master's other clients may resolve it
+        return socket.gethostname()
+
+
 class MooncakeStore(TieredKVStore):
     """KV blocks in a Mooncake Store pool shared by every inference server of a run (written
     when a sequence finishes, restored on a prefix hit on any server); idle prefixes also in
@@ -164,7 +177,7 @@ class MooncakeStore(TieredKVStore):
         host = master.rsplit(":", 1)[0]
         metadata = metadata or "P2PHANDSHAKE"
         if local_host is None:
-            local_host = "127.0.0.1" if _is_local(host) else socket.gethostname()
+            local_host = "127.0.0.1" if _is_local(host) else address_towards(host)
         self.pool_blocks = MooncakeBlocks(
             master, metadata, local_host=local_host, segment_bytes=segment_bytes or DEFAULT_SEGMENT_BYTES,
             buffer_bytes=buffer_bytes or DEFAULT_BUFFER_BYTES, protocol=protocol or "tcp", device=device,
