@@ -16,8 +16,10 @@ Layout (docs/slurm.md, "A multi-node cluster on one machine"):
   node, and so do the client commands (``sbatch``, ``squeue``, ``srun``) the tests run;
 * node k: network namespace ``primerl-nk``, a veth pair (``primerl-vk`` on the bridge,
   ``eth0`` inside) with ``SUBNET.(10+k)/24``, its own loopback, its own hostname
-  ``primerl-nk`` (a UTS namespace of its own) and its own ``/etc/hosts`` (every node's name
-  and the head's, bound over it in a mount namespace of its own: ``Cluster.node_command``),
+  ``primerl-nk`` (a UTS namespace of its own) and its own ``/etc/hosts`` (the other nodes'
+  names and the head's; its own name at 127.0.1.1, as Debian's installer writes it, so that
+  code taking "my hostname's address" for what other nodes reach fails here as there; bound
+  over the machine's file in a mount namespace of its own: ``Cluster.node_command``),
   and its ``slurmd -N primerl-nk``. Everything slurmd starts (job steps) inherits all of it, so a
   step sees its node's hostname and address, and 127.0.0.1 is the node's own loopback:
   a process that binds loopback cannot be reached from another node, as on a real cluster.
@@ -377,7 +379,11 @@ class Cluster:
         _run("ip", "addr", "add", f"{self.head_address}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         cluster_hosts = [f"{a}\t{n}" for n, a in zip(self.names, self.addresses)]
-        hosts = "\n".join(["127.0.0.1\tlocalhost", f"{self.head_address}\t{self.head}", *cluster_hosts, ""])
+
+        def node_hosts(k: int) -> str:  # as on a Debian node: its own name at 127.0.1.1, the others' addresses
+            others = [line for j, line in enumerate(cluster_hosts) if j != k]
+            return "\n".join(["127.0.0.1\tlocalhost", f"127.0.1.1\t{self.names[k]}",
+                              f"{self.head_address}\t{self.head}", *others, ""])
         (root / "etc" / "head").mkdir(parents=True, exist_ok=True)
         machine = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1\tlocalhost\n"
         (root / "etc" / "head" / "hosts").write_text(machine.rstrip("\n") + "\n# the cluster's nodes\n"
@@ -389,7 +395,7 @@ class Cluster:
             save()
             etc = root / "etc" / name  # node_command binds these over /etc/hosts and /etc/hostname
             etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text(hosts)
+            (etc / "hosts").write_text(node_hosts(k))
             (etc / "hostname").write_text(name + "\n")
             (root / "spool" / name).mkdir(parents=True, exist_ok=True)
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)

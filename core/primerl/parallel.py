@@ -257,7 +257,12 @@ def init_trainer_group(device: str) -> bool:
     """Join the trainer's ranks in one default process group when torchrun started them
     (``WORLD_SIZE`` > 1 in the environment): gloo on CPU, NCCL on CUDA. Returns whether it
     created the group (the caller then destroys it at exit); a group that already exists is
-    left alone, and one process needs none (:func:`device_mesh` makes a 1-rank group)."""
+    left alone, and one process needs none (:func:`device_mesh` makes a 1-rank group).
+
+    Across nodes gloo's ranks reach each other at the address of the interface on this
+    node's route to ``MASTER_ADDR`` (``GLOO_SOCKET_IFNAME``, unless it is set): gloo's own
+    choice, what the hostname resolves to, is 127.0.1.1 on a Debian node, which no other
+    node reaches."""
     import os
 
     import torch
@@ -268,8 +273,53 @@ def init_trainer_group(device: str) -> bool:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif "GLOO_SOCKET_IFNAME" not in os.environ and (name := interface_towards(os.environ.get("MASTER_ADDR", ""))):
+        os.environ["GLOO_SOCKET_IFNAME"] = name  # torch's own knob, read when the group is made
     dist.init_process_group(backend)
     return True
+
+
+def interface_towards(host: str) -> str | None:
+    """The name of this machine's network interface on its route to ``host`` (no packet is
+    sent), or None: ``host`` empty, unresolvable, or reached over loopback (one machine)."""
+    import ipaddress
+    import socket
+
+    try:
+        family, _, _, _, where = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(where)
+            address = ipaddress.ip_address(s.getsockname()[0].split("%")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if address.is_loopback:
+        return None
+    return next((name for name, held in _interface_addresses() if held == address), None)
+
+
+def _interface_addresses() -> list[tuple[str, Any]]:
+    """(interface name, address) of every address this machine holds, IPv4 (ioctl
+    SIOCGIFADDR) and IPv6 (``/proc/net/if_inet6``)."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+
+    found: list[tuple[str, Any]] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address
+                continue
+            found.append((name, ipaddress.ip_address(packed[20:24])))
+    try:
+        with open("/proc/net/if_inet6") as f:
+            found += [(fields[5], ipaddress.ip_address(bytes.fromhex(fields[0])))
+                      for fields in (line.split() for line in f) if len(fields) == 6]
+    except OSError:
+        pass
+    return found
 
 
 def barrier() -> None:

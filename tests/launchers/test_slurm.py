@@ -167,6 +167,9 @@ def test_the_job_places_each_layout_and_names_servers_by_address(tmp_path):
     assert [(p.name, p.node.name) for p in procs] == [("inference", "n0"), ("orchestrator", "n0"),
                                                       ("trainer-0", "n1"), ("trainer-1", "n2")]
     assert "--rdzv-endpoint=10.0.0.11:29500" in procs[2].command and "--rdzv-id=7" in procs[3].command
+    # the first trainer node hosts the rendezvous's store, whatever its hostname resolves to
+    assert "--rdzv-conf=is_host=1" in procs[2].command and "--rdzv-conf=is_host=0" in procs[3].command
+    assert "--local-addr=10.0.0.11" in procs[2].command and "--local-addr=10.0.0.12" in procs[3].command
     assert server_urls(cfg, lay, nodes, [8000]) == ["http://10.0.0.10:8000"]
     cfg, lay, procs = placed("--launcher.inference_nodes", "2")
     assert [(p.name, p.node.name) for p in procs] == [("inference-0", "n0"), ("inference-1", "n1"),

@@ -58,7 +58,7 @@ def test_every_node_is_idle_with_its_own_address(cluster):
 @pytest.mark.slow
 def test_srun_runs_one_task_per_node_each_with_its_hostname_and_address(cluster):
     r = run(["srun", f"-N{NODES}", f"-n{NODES}", "-l", "sh", "-c",
-             "hostname; ip -4 -o addr show; getent hosts $(hostname)"], cluster.env)
+             "hostname; ip -4 -o addr show; getent hosts $(hostname); getent hosts " + cluster.names[-1]], cluster.env)
     tasks = by_task(r.stdout)
     assert sorted(tasks) == list(range(NODES)), r.stdout
     for k, lines in tasks.items():
@@ -66,18 +66,33 @@ def test_srun_runs_one_task_per_node_each_with_its_hostname_and_address(cluster)
         assert lines[0] == name, lines
         inet = [ln.split()[3] for ln in lines if " inet " in ln]
         assert sorted(inet) == sorted(["127.0.0.1/8", f"{address}/24"]), lines  # loopback and its own, nothing else
-        assert lines[-1].split() == [address, name], lines  # its name resolves to its address
+        assert lines[-2].split() == ["127.0.1.1", name], lines  # its own name: loopback, as on a Debian node
+        if k < NODES - 1:  # another node's name resolves to that node's address
+            assert lines[-1].split() == [cluster.addresses[-1], cluster.names[-1]], lines
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_finds_its_interface_towards_another_node(cluster):
+    """primerl.parallel.interface_towards, which gloo's ranks bind (its own guess, the
+    hostname's address, is 127.0.1.1 here as on a Debian node): on node 1, the interface on
+    its route to node 0 is its eth0; towards its own name (loopback) there is none."""
+    code = ("import socket; from primerl.parallel import interface_towards as at; "
+            f"print(at({cluster.names[0]!r}), at({cluster.addresses[0]!r}), at(socket.gethostname()))")
+    r = run(["srun", "-N1", f"--nodelist={cluster.names[1]}", sys.executable, "-c", code], cluster.env)
+    assert r.stdout.split() == ["eth0", "eth0", "None"], r.stdout
 
 
 @pytest.mark.slow
 def test_this_python_runs_in_a_step_on_every_node(cluster):
-    """The run directory and the Python environment are the same paths on every node."""
+    """The run directory and the Python environment are the same paths on every node; a
+    node's own name resolves to loopback there (Debian's 127.0.1.1), never what another
+    node reaches it at."""
     r = run(["srun", "-N2", "-n2", "-l", sys.executable, "-c",
              "import socket, sys; h = socket.gethostname(); print(h, socket.gethostbyname(h), sys.prefix)"],
             cluster.env)
     tasks = by_task(r.stdout)
     assert {k: v[0].split() for k, v in tasks.items()} == {
-        k: [cluster.names[k], cluster.addresses[k], sys.prefix] for k in (0, 1)}, r.stdout
+        k: [cluster.names[k], "127.0.1.1", sys.prefix] for k in (0, 1)}, r.stdout
 
 
 # node B listens on every interface and, separately, on its loopback only; node A reaches

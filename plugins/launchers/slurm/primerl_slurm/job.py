@@ -10,7 +10,7 @@ The batch script (``OUT/slurm/primerl.sbatch``) runs this and nothing else. It:
    inference nodes (``inference.port + i`` on each; on a one-node job free ports, as the
    local launcher picks them), the orchestrator on the first node, the trainer on each
    trainer node (torchrun; across nodes a c10d rendezvous on the first trainer node's address,
-   ``launcher.rdzv_port``), and the KV store's run service on the first node when the store
+   ``launcher.rdzv_port``, whose store that node hosts), and the KV store's run service on the first node when the store
    declares one (:attr:`primerl.kv_stores.KVStoreCapabilities.run_service`, run by
    ``python -m primerl.kv_service``: Mooncake's master, the disk store's shared folder, a
    third party's service; no store is named here);
@@ -104,14 +104,22 @@ def server_urls(cfg: RunConfig, lay: Layout, nodes: list[Node], ports: list[int]
             for i in range(lay.servers)]
 
 
-def trainer_command(cfg: RunConfig, lay: Layout, config: Path, python: str, rendezvous: str, job_id: str) -> list[str]:
+def trainer_command(cfg: RunConfig, lay: Layout, config: Path, python: str, rendezvous: str, job_id: str, *,
+                    node: Node | None = None, hosts_rendezvous: bool = False) -> list[str]:
     """The trainer on one node: torchrun when it spans nodes (a c10d rendezvous at
-    ``rendezvous``) or runs several ranks, else one process."""
+    ``rendezvous``) or runs several ranks, else one process. Across nodes each torchrun is
+    told its ``node``'s address (``--local-addr``: the first trainer node's becomes the
+    ranks' ``MASTER_ADDR``), and the first trainer node (``hosts_rendezvous``) that it hosts
+    the rendezvous's store: torchrun's own guesses go through what the node's hostname
+    resolves to, which on a node whose ``/etc/hosts`` maps its name to 127.0.1.1 (Debian's)
+    no other node reaches, and matches no address, so that no node would host the store."""
     cmd = process_command("trainer", config, python=python)
     nproc = cfg.trainer.nproc
     if lay.trainer_nodes > 1:
+        local = [f"--local-addr={node.address}"] if node is not None else []
         return [python, "-m", "torch.distributed.run", f"--nnodes={lay.trainer_nodes}", f"--nproc-per-node={nproc}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={job_id}", *cmd[1:]]
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={job_id}",
+                f"--rdzv-conf=is_host={int(hosts_rendezvous)}", *local, *cmd[1:]]
     if nproc > 1:
         return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd[1:]]
     return cmd
@@ -143,7 +151,8 @@ def place(cfg: RunConfig, run_dir: RunDir, lay: Layout, nodes: list[Node], ports
     for k, node in enumerate(trainers):
         placed.append(Process(name="trainer" if len(trainers) == 1 else f"trainer-{k}", kind="trainer", node=node,
                               beacon="trainer",
-                              command=tuple(trainer_command(cfg, lay, config, python, rendezvous, job_id))))
+                              command=tuple(trainer_command(cfg, lay, config, python, rendezvous, job_id,
+                                                            node=node, hosts_rendezvous=k == 0))))
     return placed
 
 
