@@ -199,3 +199,15 @@ def test_nccl_endpoints_are_refused_when_the_server_was_not_started_for_nccl(tmp
         write_marker(tmp_path / "step_1", 1)
         assert client.post("/admin/weights", json={"path": str(tmp_path / "step_1")}).status_code == 400
     assert calls == []
+
+
+def test_the_rendezvous_address_is_the_one_on_the_route_to_the_server():
+    """What vLLM's workers are told to join: this machine's address towards the server
+    (loopback for a server here), never its hostname's; no route is one line."""
+    from primerl_vllm.weight_transfer import _local_address_towards
+
+    from primerl.errors import PrimerlError
+
+    assert _local_address_towards("http://127.0.0.1:8000") == "127.0.0.1"
+    with pytest.raises(PrimerlError, match=r"no route to the inference server http://nowhere\.invalid:8000"):
+        _local_address_towards("http://nowhere.invalid:8000")

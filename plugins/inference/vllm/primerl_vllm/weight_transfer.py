@@ -76,14 +76,19 @@ def write_marker(directory: str | Path, version: int) -> Path:
 
 def _local_address_towards(url: str) -> str:
     """The address of this machine on the route to ``url``'s host: what vLLM's workers
-    (on that host or its network) connect to for the rendezvous."""
+    (on that host or its network) connect to for the rendezvous. Never what this machine's
+    hostname resolves to (127.0.1.1 on a Debian node: no other node reaches it); no route
+    is one line naming the URL."""
     host = urlparse(url).hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))  # UDP: picks the route, sends nothing
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+    try:
+        family, _, _, _, where = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(where)  # UDP: picks the route, sends nothing
+            return str(s.getsockname()[0])
+    except OSError as exc:
+        raise PrimerlError(f"trainer.weight_channel = 'nccl': this machine has no route to the inference server "
+                           f"{url} ({exc}), so vLLM's workers cannot join the trainer's rendezvous: check the "
+                           f"server's address in OUT/runtime.json, or use --trainer.weight_channel filesystem") from None
 
 
 def _free_port() -> int:
