@@ -294,7 +294,11 @@ class Cluster:
             _reap()
 
     def start_node(self, k: int) -> int:
-        """Start node k's slurmd (in its namespace, with its hostname); returns its pid."""
+        """Start node k's slurmd (in its namespace, with its hostname); returns its pid.
+        After :meth:`kill_node`, only once Slurm has set the node down (``sinfo``): every
+        node reports the machine's uptime, so a slurmd back sooner is not taken for a
+        rebooted node, and a job that had steps on it waits for them (until primerl's
+        watchdog reports the stall)."""
         cmd = self.node_command(k, "slurmd", "-D", "-N", self.names[k], "-f", str(self.conf))
         return _spawn(cmd, self.env, self.root / "log" / f"{self.names[k]}.out", "a").pid
 
