@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ROOT_UNIT", "ParallelConfig", "ParallelLayout", "Parallelism", "ParallelismCapabilities", "Parallelized",
-           "Shard", "ShardedThing", "barrier", "device_mesh", "init_trainer_group", "is_publisher", "unit_of",
-           "world_size"]
+           "Shard", "ShardedThing", "barrier", "device_mesh", "init_trainer_group", "interface_towards", "is_publisher",
+           "unit_of", "world_size"]
 
 
 @attrs.define(kw_only=True)
