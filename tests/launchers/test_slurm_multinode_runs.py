@@ -66,10 +66,10 @@ def wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout: float = 4
         time.sleep(0.5)
 
 
-def run_processes(out: Path, subnet: str = sc.SUBNET) -> list[tuple[int, str]]:
+def run_processes(out: Path) -> list[tuple[int, str]]:
     """(pid, what) of every live `primerl <kind>` process of the run in ``out`` (not the srun
     steps or their scripts): "inference:<port>", "orchestrator", "trainer" (torchrun's and its
-    ranks'), "mooncake" (the master serving at an address of the cluster's ``subnet``)."""
+    ranks'), "kv_service" (the KV store's run service: Mooncake's master)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -80,13 +80,10 @@ def run_processes(out: Path, subnet: str = sc.SUBNET) -> list[tuple[int, str]]:
         except OSError:
             continue
         line = " ".join(args)
-        if state == "Z" or "python" not in os.path.basename(args[0]):
+        if state == "Z" or "python" not in os.path.basename(args[0]) or str(out) not in line:
             continue
-        if "primerl_kv_mooncake.master" in line:  # its command names no run directory, but the node's address
-            if f"--host {subnet}." in line:
-                found.append((int(entry.name), "mooncake"))
-        elif str(out) not in line:
-            continue
+        if "-m primerl.kv_service " in line:
+            found.append((int(entry.name), "kv_service"))
         elif m := re.search(r"primerl\.cli (inference|orchestrator|trainer)\b", line):
             port = re.search(r"--inference\.port (\d+)", line)
             found.append((int(entry.name), m.group(1) + (f":{port.group(1)}" if port else "")))
@@ -223,7 +220,7 @@ def test_three_nodes_two_inference_nodes_share_one_mooncake_pool(cluster, tmp_pa
                  "--inference.kv_store_options.buffer_bytes", str(16 << 20))
     wait_for_steps(out, proc, 1)
     where = placement(c, out)
-    assert where == {"mooncake": {c.names[0]}, "inference:8000": {c.names[0], c.names[1]},
+    assert where == {"kv_service": {c.names[0]}, "inference:8000": {c.names[0], c.names[1]},
                      "orchestrator": {c.names[0]}, "trainer": {c.names[2]}}, where
     runtime = json.loads((out / "runtime.json").read_text())
     a, b = runtime["inference_urls"]
