@@ -550,6 +550,7 @@ class Swe(ToolEnv):
         in ``failing``. ``workers`` tasks are checked at once."""
         from concurrent.futures import ThreadPoolExecutor
 
+        records = list(self.records().values())  # the task file's own errors first: they need no machine
         self._kind()  # no sandbox or no git: one clear error, not one per task
         repo.require_git()
 
@@ -578,7 +579,7 @@ class Swe(ToolEnv):
                 shutil.rmtree(testenv_path(work), ignore_errors=True)
 
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            return list(pool.map(one, self.records().values()))
+            return list(pool.map(one, records))
 
 
 def _reap_if_unowned(lock: Path) -> None:
