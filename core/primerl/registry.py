@@ -40,6 +40,8 @@ from primerl import hookspecs
 from primerl._markers import PROJECT
 from primerl.errors import PluginError
 
+__all__ = ["KINDS", "Component", "PluginSource", "Registry", "get_registry", "is_target", "load_target"]
+
 ENTRY_POINT_GROUP = "primerl"
 
 # hook name -> kind (the singular used in listings, config and errors)
