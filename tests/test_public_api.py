@@ -1,7 +1,7 @@
 """Plugins code against the public API (``primerl.api.PUBLIC_MODULES``) and nothing else.
 
 Read from the source with ``ast``: every ``import`` and ``from ... import`` of a core module in
-a built-in plugin's ``.py`` files names a public module, and every name it takes from one (or
+a built-in plugin's ``.py`` files (and the examples') names a public module, and every name it takes from one (or
 reads off one imported whole, ``inference.check_port_free``) is in that module's ``__all__``.
 Every public module declares ``__all__`` (the inference modules being reshaped: the names
 ``primerl.api.ASSUMED_NAMES`` lists), and ``docs/plugins.md`` names every public module.
@@ -17,6 +17,7 @@ from primerl.api import ASSUMED_NAMES, PUBLIC_MODULES
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "core"
 PLUGINS = REPO / "plugins"
+EXAMPLES = REPO / "examples"  # the plugin template and the example env plugins, copied by authors
 
 
 def module_path(module: str, core: Path = CORE) -> Path | None:
@@ -102,7 +103,9 @@ def test_every_name_in_all_is_defined():
 
 
 def test_built_in_plugins_import_only_the_public_api():
-    bad = [v for path in sorted(PLUGINS.rglob("*.py")) for v in violations(path)]
+    paths = sorted(PLUGINS.rglob("*.py")) + sorted(EXAMPLES.rglob("*.py"))
+    assert len(paths) > 100
+    bad = [v for path in paths for v in violations(path)]
     assert not bad, "built-in plugins import core internals:\n" + "\n".join(bad)
 
 
