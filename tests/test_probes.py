@@ -1,9 +1,10 @@
 """The core finds what a plugin or model offers in its declarations (the kind's Protocol, its
 capability record), not by probing attributes: the core holds at most ``MAX_PROBES`` calls of
-``getattr``/``hasattr``, counted from the source with ``ast`` over every module, and the ones
-left are mechanisms (a lazy ``"module:attr"`` target, pluggy's markers, a plugin's optional
-``Config``, a tool an env names, an env method a worker runs by name, a library feature check),
-not capability probes.
+``getattr``/``hasattr``, counted from the source with ``ast`` over every module. The ones left
+are mechanisms, not capability probes: a lazy ``"module:attr"`` target, pluggy's hook markers
+and a plugin object's name, a plugin's optional ``Config`` (one resolver,
+``primerl.sections.declared_config``), a tool an env names and an env method a worker runs by
+name, a type's name in an error, library feature checks (torch, DeepGEMM, an HF config).
 """
 
 from __future__ import annotations
