@@ -4,7 +4,8 @@ capability record), not by probing attributes: the core holds at most ``MAX_PROB
 are mechanisms, not capability probes: a lazy ``"module:attr"`` target, pluggy's hook markers
 and a plugin object's name, a plugin's optional ``Config`` (one resolver,
 ``primerl.sections.declared_config``), a tool an env names and an env method a worker runs by
-name, a type's name in an error, library feature checks (torch, DeepGEMM, an HF config).
+name, a type's name in an error, a dtype by its name, library feature checks (torch, DeepGEMM, an
+HF config, a tokenizer's answer).
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 Read from the source with ``ast``: every ``import`` and ``from ... import`` of a core module in
 a built-in plugin's ``.py`` files (and the examples') names a public module, and every name it takes from one (or
 reads off one imported whole, ``inference.check_port_free``) is in that module's ``__all__``.
-Every public module declares ``__all__`` (the inference modules being reshaped: the names
-``primerl.api.ASSUMED_NAMES`` lists), and ``docs/plugins.md`` names every public module.
+Every public module declares ``__all__``, and ``docs/plugins.md`` names every public module.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from primerl.api import ASSUMED_NAMES, PUBLIC_MODULES
+from primerl.api import PUBLIC_MODULES
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "core"
@@ -40,8 +39,7 @@ def declared_all(path: Path) -> tuple[str, ...] | None:
 
 def public_names(module: str, core: Path = CORE) -> tuple[str, ...]:
     path = module_path(module, core)
-    names = declared_all(path) if path else None
-    return names if names is not None else ASSUMED_NAMES.get(module, ())
+    return (declared_all(path) if path else None) or ()
 
 
 def _core(module: str) -> bool:
@@ -89,7 +87,7 @@ def violations(path: Path, public: tuple[str, ...] = PUBLIC_MODULES, core: Path 
 def test_every_public_module_exists_and_declares_all():
     missing = [m for m in PUBLIC_MODULES if module_path(m) is None]
     assert not missing, f"public modules that are not in core: {missing}"
-    lacking = [m for m in PUBLIC_MODULES if declared_all(module_path(m)) is None and m not in ASSUMED_NAMES]
+    lacking = [m for m in PUBLIC_MODULES if declared_all(module_path(m)) is None]
     assert not lacking, f"public modules without __all__: {lacking}"
 
 

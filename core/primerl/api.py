@@ -7,15 +7,11 @@ each kind's contract module with its config section and capability record, the m
 and its building pieces, and the records that cross a process boundary (samples, run folder,
 runtime file). ``docs/plugins.md`` names them; ``tests/test_public_api.py`` checks that every
 module here declares ``__all__`` and that no built-in plugin imports anything else from core.
-
-The inference contract (``primerl.inference``, ``primerl.serving.*``, ``primerl.kv_stores``,
-``primerl.kv_memory``) is being reshaped into one module; until those modules declare
-``__all__``, :data:`ASSUMED_NAMES` lists the names plugins use from them.
 """
 
 from __future__ import annotations
 
-__all__ = ["ASSUMED_NAMES", "PUBLIC_MODULES"]
+__all__ = ["PUBLIC_MODULES"]
 
 PUBLIC_MODULES: tuple[str, ...] = (
     # hooks, errors, the registry and the config's shared pieces
@@ -35,10 +31,10 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "primerl.inference",
     "primerl.serving",
     "primerl.serving.front",
-    "primerl.serving.frontend",
     "primerl.serving.protocol",
     "primerl.kv_stores",
-    "primerl.kv_memory",
+    "primerl.kv_blocks",
+    "primerl.kv_service",
     "primerl.routers",
     "primerl.sampling",
     "primerl.weights",
@@ -69,17 +65,3 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "primerl.trainer.packing",
     "primerl.trainer.step",
 )
-
-# The public names of the inference modules that do not declare ``__all__`` yet (what the
-# built-in plugins use from them); a module's ``__all__``, once it has one, replaces its entry.
-ASSUMED_NAMES: dict[str, tuple[str, ...]] = {
-    "primerl.inference": ("AdminStatus", "Health", "InferenceBackendCapabilities", "InferenceConfig", "PauseResponse",
-                          "RoutedExperts", "Usage", "WeightUpdateResponse", "check_port_free"),
-    "primerl.serving": ("front", "frontend", "protocol"),
-    "primerl.serving.front": ("Generation", "Refused", "Sampling", "create_app", "prometheus"),
-    "primerl.serving.frontend": ("error",),
-    "primerl.serving.protocol": ("WeightUpdateRequest",),
-    "primerl.kv_stores": ("BlockSlotStore", "HandoffUnavailable", "KVBlock", "KVStore", "KVStoreCapabilities",
-                          "PrefixHit", "SlotPool", "TieredKVStore", "decode_block", "encode_block", "model_identity"),
-    "primerl.kv_memory": ("MemoryStore",),
-}
