@@ -14,6 +14,8 @@ import ctypes
 import os
 import signal
 
+__all__ = ["own_group_and_die_with_parent"]
+
 PR_SET_PDEATHSIG = 1
 
 

@@ -81,7 +81,7 @@ def plugins_info(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Details of a component or plugin: target, module, status and error."""
-    from primerl.registry import _normalize, get_registry
+    from primerl.registry import _normalize, get_registry, target_text
 
     key = _normalize(name)
     hits = [
@@ -93,7 +93,7 @@ def plugins_info(
     rows = []
     for c in hits:
         row = c.as_row()
-        row["target"] = c.target if isinstance(c.target, str) else f"{getattr(c.target, '__module__', '?')}:{getattr(c.target, '__qualname__', repr(c.target))}"
+        row["target"] = target_text(c.target)
         rows.append(row)
     if as_json:
         typer.echo(json.dumps(rows, indent=2))

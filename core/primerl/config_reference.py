@@ -103,7 +103,7 @@ def _class_comments(cls: type) -> dict[str, str]:
 
     body = ast.parse(source).body[0]
     out: dict[str, str] = {}
-    for node in getattr(body, "body", []):
+    for node in body.body if isinstance(body, ast.ClassDef) else []:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
         above: list[str] = []
@@ -142,7 +142,7 @@ def type_name(tp: Any) -> str:
     if origin is Literal:
         return "Literal[" + ", ".join(repr(a) for a in args) + "]"
     if origin is not None and args:
-        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(a) for a in args)}]"
+        return f"{origin.__name__ if isinstance(origin, type) else origin}[{', '.join(type_name(a) for a in args)}]"
     if isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "")

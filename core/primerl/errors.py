@@ -4,6 +4,8 @@ The CLI prints these without a traceback and exits with code 2, the convention f
 usage and configuration errors.
 """
 
+__all__ = ["ConfigError", "PluginError", "PrimerlError"]
+
 
 class PrimerlError(Exception):
     """Base class for errors caused by the user's input (config, plugins, requests)."""

@@ -30,6 +30,10 @@ from typing import Any, Protocol
 
 from primerl._markers import hookspec
 
+__all__ = ["Register", "register_advantages", "register_checkpoints", "register_corrections", "register_envs",
+           "register_inference_backends", "register_kv_stores", "register_launchers", "register_losses",
+           "register_models", "register_monitors", "register_parallelisms", "register_routers"]
+
 
 class Register(Protocol):
     """The callback each hook receives."""

@@ -30,12 +30,14 @@ stays light (the config check imports it for its ``Config``): it imports its lib
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from primerl.sections import declared_config
 from primerl.validators import non_negative
 
 __all__ = ["COLUMNS", "Monitor", "MonitorCapabilities", "MonitorConfig", "MonitorSet", "RunInfo", "SampleRow",
@@ -82,7 +84,7 @@ def with_always_on(monitors: Mapping[str, MonitorConfig], registry: Any) -> dict
         if c.name in monitors:
             first[c.name] = monitors[c.name]
         else:
-            first[c.name] = (getattr(c.load(), "Config", None) or MonitorConfig)(enabled=True)
+            first[c.name] = declared_config(c.load(), "monitor", c.name, MonitorConfig)(enabled=True)
     return {**first, **{k: v for k, v in monitors.items() if k not in first}}
 
 
@@ -150,12 +152,11 @@ def wants_samples(options: MonitorConfig, step: int) -> bool:
 
 def _json_default(v: Any) -> Any:
     """Tensors, numpy arrays and scalars as JSON numbers or lists; anything else as its text."""
-    if hasattr(v, "numel") and v.numel() == 1:  # a one-element tensor
-        return v.item()
-    if hasattr(v, "tolist"):
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")  # loaded: a value can be one of theirs
+    if torch is not None and isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if numpy is not None and isinstance(v, (numpy.ndarray, numpy.generic)):
         return v.tolist()
-    if hasattr(v, "item"):
-        return v.item()
     return str(v)
 
 
@@ -216,17 +217,17 @@ class MonitorSet:
     def _warn(self, entry: _Active, exc: BaseException) -> None:
         self._log(f"warning: monitor {entry.name}: {one_line(exc)}; the run goes on without it")
 
-    def _guarded(self, entry: _Active, method: str, *args: Any) -> None:
-        """``entry.monitor.method(*args)``; a failure drops the monitor, said once (an
-        always-on monitor's failure is the trainer's)."""
+    def _guarded(self, entry: _Active, method: Callable[..., Any], *args: Any) -> None:
+        """``method(*args)``, a method of ``entry.monitor``; a failure drops the monitor, said
+        once (an always-on monitor's failure is the trainer's)."""
         try:
-            getattr(entry.monitor, method)(*args)
+            method(*args)
         except Exception as exc:  # a monitor never stops the run (re-raised: an always-on one)
             if entry.always_on:
                 raise
             self._active.remove(entry)
             self._warn(entry, exc)
-            if method not in ("start", "finish"):  # flush what it has (a dashboard's buffered steps), quietly
+            if method.__name__ not in ("start", "finish"):  # flush what it has (a dashboard's buffered steps), quietly
                 try:
                     entry.monitor.finish()
                 except Exception:  # noqa: BLE001 - already reported
@@ -234,7 +235,7 @@ class MonitorSet:
 
     def start(self, run: RunInfo) -> None:
         for entry in list(self._active):
-            self._guarded(entry, "start", run)
+            self._guarded(entry, entry.monitor.start, run)
 
     def log(self, step: int, record: Mapping[str, Any]) -> None:
         """``record`` to every monitor, as the exact values of its ``metrics.jsonl`` line."""
@@ -242,7 +243,7 @@ class MonitorSet:
             return
         values = json.loads(json_record(record))
         for entry in list(self._active):
-            self._guarded(entry, "log", step, values)
+            self._guarded(entry, entry.monitor.log, step, values)
 
     def wants_samples(self, step: int) -> bool:
         """Whether a monitor takes sample rows at ``step`` (the trainer decodes them only then)."""
@@ -251,13 +252,13 @@ class MonitorSet:
     def log_samples(self, step: int, rows: Sequence[SampleRow]) -> None:
         for entry in list(self._active):
             if wants_samples(entry.options, step):
-                self._guarded(entry, "log_samples", step, rows)
+                self._guarded(entry, entry.monitor.log_samples, step, rows)
 
     def finish(self) -> None:
         """Every monitor's ``finish``, each guarded; the set is empty afterwards."""
         try:
             for entry in list(self._active):
-                self._guarded(entry, "finish")
+                self._guarded(entry, entry.monitor.finish)
         finally:
             self._active = []
 

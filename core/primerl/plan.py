@@ -92,6 +92,9 @@ from typing import Any
 
 from primerl.errors import PrimerlError
 
+__all__ = ["Layer", "ModelShape", "assemble_shape", "decoder_shape", "dense_mlp", "experts_of", "gqa_mixer",
+           "mamba2_mixer", "merge_block", "mla_mixer", "moe_block", "norm_residual", "plan"]
+
 GB = 1e9
 H200_MEMORY_GB = 141.0
 DEFAULT_MARGIN = 0.10

@@ -97,15 +97,20 @@ def _check_model(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
                               f"{words}: {fix}")
 
 
+def _field(section: Any, name: str) -> Any:
+    """The value of field ``name`` of the attrs config ``section``."""
+    return attrs.asdict(section, recurse=False)[name]
+
+
 def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
     """Every key that names a plugin names one that is installed and loads, so a typo
     fails here, naming the key, instead of in a process minutes into the run."""
     for key, kind in COMPONENT_KEYS.items():
         section, _, field = key.partition(".")
-        table = getattr(cfg, section)
+        table = _field(cfg, section)
         if field not in attrs.fields_dict(type(table)):
             continue
-        name = getattr(table, field)
+        name = _field(table, field)
         if (key == "inference.backend" and cfg.trainer.weight_channel == "nccl"
                 and reg.capabilities(kind, name).weight_sender is None):
             raise ConfigError(
@@ -129,8 +134,9 @@ def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> N
                 f"{cfg.trainer_world_size()} (trainer.nproc {cfg.trainer.nproc} x {cfg.launcher.trainer_nodes_used()} "
                 f"trainer node(s)): use trainer.parallelism fsdp (or auto)")
         options_key = OPTIONS_KEYS.get(key)
-        if options_key and getattr(cfg.inference, options_key.partition(".")[2]):
-            why = options_problem(kind, name, getattr(cfg.inference, options_key.partition(".")[2]))
+        options = _field(cfg.inference, options_key.partition(".")[2]) if options_key else None
+        if options:
+            why = options_problem(kind, name, options)
             if why:
                 where = first_origin_under(sources, options_key) or "the defaults"
                 raise ConfigError(f"{options_key} (from {where}) do not fit {kind} {name!r}: {why}")
@@ -184,7 +190,7 @@ def _check_pd(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
     if not p or not d:
         given, missing = ("prefill_replicas", "decode_replicas") if p else ("decode_replicas", "prefill_replicas")
         raise ConfigError(
-            f"inference.{given} ({getattr(inf, given)}, {origin_of(sources, 'inference.' + given)}) needs "
+            f"inference.{given} ({p or d}, {origin_of(sources, 'inference.' + given)}) needs "
             f"inference.{missing} too: prefill/decode disaggregation runs both pools (set both, or neither "
             f"for whole-request servers)")
     if not reg.capabilities("launcher", cfg.launcher.name).supports_pd:

@@ -30,6 +30,7 @@ import importlib.util
 import inspect
 import os
 import re
+import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -39,6 +40,8 @@ import pluggy
 from primerl import hookspecs
 from primerl._markers import PROJECT
 from primerl.errors import PluginError
+
+__all__ = ["KINDS", "Component", "PluginSource", "Registry", "get_registry", "is_target", "load_target"]
 
 ENTRY_POINT_GROUP = "primerl"
 
@@ -168,7 +171,7 @@ class PluginSource:
 def installed_sources() -> list[PluginSource]:
     sources = []
     for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-        dist = getattr(ep, "dist", None)
+        dist = ep.dist
         sources.append(
             PluginSource(
                 name=ep.name,
@@ -250,7 +253,7 @@ class Registry:
         try:
             pm.register(plugin, name=f"{source.name}#{id(plugin)}")
         except Exception as exc:  # noqa: BLE001 - PluginValidationError and friends
-            kinds = [k for h, k in HOOK_KINDS.items() if hasattr(plugin, h)]
+            kinds = _hook_kinds(plugin)
             self._broken(source, kinds, f"invalid hook implementation: {exc}")
             return
         unknown = [
@@ -259,11 +262,11 @@ class Registry:
         if unknown:
             pm.unregister(plugin)
             known = ", ".join(HOOK_KINDS)
-            kinds = [k for h, k in HOOK_KINDS.items() if hasattr(plugin, h)]
+            kinds = _hook_kinds(plugin)
             self._broken(source, kinds, f"implements unknown hook(s) {', '.join(unknown)}; known hooks: {known}")
             return
         for hook_name, kind in HOOK_KINDS.items():
-            for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            for impl in vars(pm.hook)[hook_name].get_hookimpls():
                 if impl.plugin is plugin:
                     self._call_hook(source, kind, impl)
 
@@ -374,6 +377,21 @@ def capabilities_record(kind: str) -> type | None:
 
         return MonitorCapabilities
     return None
+
+
+def _hook_kinds(plugin: Any) -> list[str]:
+    """The kinds whose hook ``plugin`` defines a name for (a broken plugin's rows)."""
+    names = set(dir(plugin))
+    return [k for h, k in HOOK_KINDS.items() if h in names]
+
+
+def target_text(target: Any) -> str:
+    """A component's target as ``module:attr`` (a lazy target: as registered)."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return f"{target.__module__}:{target.__qualname__}"
+    return f"{type(target).__module__}:{target!r}"
 
 
 def _hookimpl_names(plugin: Any) -> list[str]:

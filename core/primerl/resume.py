@@ -56,6 +56,8 @@ from primerl.rundir import (
     write_atomically,
 )
 
+__all__ = ["Resume", "RunFinished", "prepare", "prepare_run", "usable_checkpoint"]
+
 # config keys that may differ when a run is continued: where it runs, how it is served
 # or laid out and where its metrics go, not what it trains (checkpoints reshard onto any trainer layout); raising
 # max_steps continues training (a cosine or linear decay then stretches to the new end)

@@ -21,6 +21,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+__all__ = ["RunDir", "write_atomically", "write_dir_atomically"]
+
 STABLE = "STABLE"  # written last into weights/step_n: the step is complete
 SHM_LINK = "shm.safetensors"  # in weights/step_n when the trainer used the shm channel
 TRAINER_STATE = "trainer_state.pt"  # written into checkpoints/step_n: the checkpoint is complete

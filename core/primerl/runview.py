@@ -15,6 +15,8 @@ from rich.table import Table
 from primerl.config import RunConfig
 from primerl.rundir import RunDir
 
+__all__ = ["LiveView", "summarize"]
+
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     rows = []

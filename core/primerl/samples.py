@@ -28,6 +28,8 @@ from typing import Any
 
 import attrs
 
+__all__ = ["NO_VERSION", "RolloutBatch", "Sample", "decode_routed_experts", "episodes", "read_batch", "write_batch"]
+
 FORMAT = "primerl.rollouts"
 FORMAT_VERSION = 1
 NO_VERSION = -1  # ``versions`` on tokens the model did not sample (prompt, env turns)

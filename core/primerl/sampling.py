@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["sample", "scale", "token_logprobs"]
+
 
 def scale(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
     """logits [..., V] / T in float32; T == 0 counts as 1 (greedy is scored unscaled)."""

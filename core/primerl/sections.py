@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from primerl.errors import ConfigError, PluginError
 from primerl.structuring import origin_of
 
-__all__ = ["config_class", "section_class"]
+__all__ = ["config_class", "declared_config", "section_class"]
 
 
 def config_class(registry: Any, kind: str, name: str, base: type, *, label: str) -> type:
@@ -30,6 +32,12 @@ def config_class(registry: Any, kind: str, name: str, base: type, *, label: str)
         target = registry.load(kind, name)
     except PluginError as exc:
         raise ConfigError(f"{label}: {exc}") from None
+    return declared_config(target, kind, name, base)
+
+
+def declared_config(target: Any, kind: str, name: str, base: type) -> type:
+    """The ``Config`` class the loaded component ``target`` (plugin ``name`` of ``kind``)
+    declares, a subclass of ``base``; ``base`` when it declares none."""
     cls = getattr(target, "Config", None)  # optional: a plugin without options declares none
     if cls is None:
         return base
@@ -48,7 +56,7 @@ def section_class(raw: Mapping[str, Any], sources: Mapping[str, str], registry: 
     table = raw.get(section, {})
     if not isinstance(table, Mapping):
         raise ConfigError(f"'{section}' must be a table ({origin_of(sources, section)})")
-    name = table.get(field, getattr(base(), field))
+    name = table.get(field, attrs.asdict(base(), recurse=False)[field])
     if not isinstance(name, str):
         raise ConfigError(f"{key} = {name!r} ({origin_of(sources, key)}) must be a string: the name of an "
                           f"installed {kind} plugin (primerl plugins list)")

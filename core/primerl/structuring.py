@@ -97,7 +97,7 @@ def _which_field(exc: Exception, kwargs: Mapping[str, Any], fields: Mapping[str,
     """The field a validator rejected: attrs' own validators pass the Attribute in the
     exception's args; ours start their message with "name:" (a default that must be set
     names a field missing from kwargs)."""
-    for arg in getattr(exc, "args", ()):
+    for arg in exc.args:
         if isinstance(arg, attrs.Attribute):
             return arg.name
     text = str(exc.args[0]) if exc.args else ""

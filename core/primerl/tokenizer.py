@@ -36,6 +36,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerFast
 
+__all__ = ["CHAT_TEMPLATE", "EOS_TOKEN", "EOS_TOKEN_ID", "PADDED_VOCAB_SIZE", "SPECIAL_TOKENS", "TOKEN_IDS",
+           "VOCAB_SIZE", "byte_tokenizer"]
+
 EOS_TOKEN = "<|endoftext|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 SPECIAL_TOKENS = (EOS_TOKEN, "[gMASK]", "<sop>", *ROLE_TOKENS)

@@ -45,6 +45,8 @@ from typing import Any
 
 import attrs
 
+__all__ = ["Watchdog", "add_children_source", "add_progress_source", "advance", "doing", "start", "waiting"]
+
 PROGRESS_DIR = "progress"  # under the run directory
 WRITE_EVERY_S = 1.0
 STALE_S = 10.0  # a beacon file older than this: its process no longer runs Python freely

@@ -30,6 +30,9 @@ import torch
 
 from primerl.errors import PrimerlError
 
+__all__ = ["Adopted", "WeightsError", "adopt", "apply", "iter_safetensors", "pair", "safetensors_files", "stage",
+           "write_safetensors"]
+
 DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -139,4 +139,4 @@ def _merge(run: list[ModelCall]) -> Sample:
                   routed_experts=decode_routed_experts(run[-1].routed_experts))
 
 
-__all__ = ["AgentEnv", "Endpoint", "Episode", "ModelCall", "interleave"]
+__all__ = ["AgentConfig", "AgentEnv", "Endpoint", "Episode", "ModelCall", "interleave"]

@@ -32,7 +32,7 @@ import inspect
 import json
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -166,8 +166,12 @@ class ToolEnv(MultiTurnEnv):
     stop_tools: ClassVar[tuple[str, ...]] = ("submit",)
     max_tool_output: ClassVar[int] = 4000  # characters of a result shown to the model
 
+    def tool(self, name: str) -> Callable[..., Any]:
+        """The method tool ``name`` (one of ``tools``) names."""
+        return getattr(self, name)
+
     def schemas(self) -> list[dict[str, Any]]:
-        return [tool_schema(getattr(type(self), name)) for name in self.tools]
+        return [tool_schema(self.tool(name)) for name in self.tools]
 
     def system(self) -> str:
         """The system prompt, listing the tools compactly: ``name(arg: type, ...): what it does``."""
@@ -193,7 +197,7 @@ class ToolEnv(MultiTurnEnv):
                 result = f"error: unknown tool {name!r}; tools: {', '.join(self.tools)}"
             else:
                 try:
-                    result = str(getattr(self, name)(state, **call["arguments"]))
+                    result = str(self.tool(name)(state, **call["arguments"]))
                 except (TaskError, PrimerlError):
                     raise  # the harness failed, not the model: never a message to learn from
                 except TypeError as e:
@@ -216,7 +220,7 @@ class ToolEnv(MultiTurnEnv):
 def prompt_ids(tokenizer: Any, messages: list[Message]) -> list[int]:
     """The chat template's token ids for ``messages`` plus the generation prompt."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
+    if isinstance(ids, Mapping):  # a dict or transformers' BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
 

@@ -313,8 +313,9 @@ def save_checkpoint(model: Any, directory: str | Path, hf_config: dict[str, Any]
     hf.pop("torch_dtype", None)
     hf.pop("quantization_config", None)  # we write plain (dequantised) weights
     if tokenizer is not None:
-        for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-            value = getattr(tokenizer, key, None)
+        ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+               "bos_token_id": tokenizer.bos_token_id}  # an HF tokenizer's special ids (None: it has none)
+        for key, value in ids.items():
             if hf.get(key) is None and value is not None:
                 hf[key] = value
     (directory / CONFIG_NAME).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

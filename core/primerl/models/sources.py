@@ -23,6 +23,8 @@ import attrs
 
 from primerl.errors import PrimerlError
 
+__all__ = ["PackagedCheckpoint", "is_checkpoint_name", "resolve_checkpoint"]
+
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*(?::[A-Za-z0-9][A-Za-z0-9_.+-]*)?")
 
 

@@ -46,6 +46,8 @@ from torch import Tensor
 
 from primerl.samples import Sample
 
+__all__ = ["PackedBatch", "pack"]
+
 # What an empty row (PackedBatch.select's None) holds in each field: one valid token that
 # is not a target of the loss, in its own segment.
 EMPTY_ROW_FILL = {"input_ids": 0, "positions": 0, "segment_ids": 0, "lengths": 1, "targets": 0, "loss_mask": False,

@@ -32,6 +32,8 @@ from primerl.parallel import Parallelism, world_size
 from primerl.sampling import token_logprobs
 from primerl.trainer.packing import PackedBatch, join_rows
 
+__all__ = ["StepMetrics", "rl_step"]
+
 
 def compute_precision(t: TrainerConfig) -> AbstractContextManager:
     """The trainer's forwards under ``trainer.precision``: bf16 matmuls through

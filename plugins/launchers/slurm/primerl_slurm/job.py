@@ -46,7 +46,12 @@ from typing import Any
 
 import attrs
 
-from primerl.config import RunConfig, load_config, split_args, tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from primerl.config import RunConfig, load_config, split_args
 from primerl.errors import PrimerlError
 from primerl.inference import server_url
 from primerl.launchers import inference_names, inference_roles, pick_ports, process_command

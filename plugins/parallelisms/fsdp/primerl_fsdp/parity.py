@@ -54,7 +54,6 @@ def step_on_layout(model_name: str, parallel: dict[str, int], replay: bool = Fal
     from primerl.models import ModelConfig
     from primerl.parallel import ParallelConfig, device_mesh, world_size
     from primerl.registry import get_registry
-    from primerl.trainer.main import load_parallelism
     from primerl.trainer.packing import pack
     from primerl.trainer.step import rl_step
 
@@ -70,7 +69,7 @@ def step_on_layout(model_name: str, parallel: dict[str, int], replay: bool = Fal
             n_experts = model.get_submodule(moe[0]).down_proj.shape[0]
             layout_replay = (len(moe), model.config.num_experts_per_tok, n_experts)
     batch = samples(model.vocab_size, replay=layout_replay)
-    strategy = load_parallelism(cfg.trainer.resolved_parallelism())
+    strategy = get_registry().load("parallelism", cfg.trainer.resolved_parallelism())()
     settings = cfg.trainer.parallel.resolved(world_size())
     with device_mesh(strategy.mesh_shape(world_size(), settings)) as mesh:
         model, optimizer, _ = strategy.parallelize(model, mesh, lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
