@@ -119,8 +119,8 @@ def body_and_head_params(model) -> tuple[int, int]:
     """A dense checkpoint's parameters a token's forward multiplies by, the output head apart:
     (body: every weight but the embedding and the head, head)."""
     emb, head = model.input_embeddings().weight, model.lm_head.weight
-    body = sum(p.numel() for p in model.parameters() if p is not emb and p is not head)
-    return body - sum(p.numel() for p in model.parameters() if p.dim() < 2), head.numel()
+    body = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not emb and p is not head)
+    return body, head.numel()
 
 
 def gemm_gflops(shapes: list[tuple[int, int, int]], rows: int | None = None, seconds: float = 2.0) -> float:

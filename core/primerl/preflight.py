@@ -99,7 +99,7 @@ def _check_model(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:
 
 def _field(section: Any, name: str) -> Any:
     """The value of field ``name`` of the attrs config ``section``."""
-    return attrs.asdict(section, recurse=False)[name]
+    return getattr(section, name)  # a field named by a config key, not a capability
 
 
 def _check_components(cfg: RunConfig, reg: Any, sources: Mapping[str, str]) -> None:

@@ -56,7 +56,7 @@ def section_class(raw: Mapping[str, Any], sources: Mapping[str, str], registry: 
     table = raw.get(section, {})
     if not isinstance(table, Mapping):
         raise ConfigError(f"'{section}' must be a table ({origin_of(sources, section)})")
-    name = table.get(field, attrs.asdict(base(), recurse=False)[field])
+    name = table.get(field, attrs.fields_dict(base)[field].default)
     if not isinstance(name, str):
         raise ConfigError(f"{key} = {name!r} ({origin_of(sources, key)}) must be a string: the name of an "
                           f"installed {kind} plugin (primerl plugins list)")
