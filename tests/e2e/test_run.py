@@ -238,17 +238,19 @@ def test_a_lora_run_publishes_merged_weights_checkpoints_a_peft_adapter_and_resu
 
 
 def test_lora_learns_the_quick_start(tmp_path):
-    """The quick start with ``--trainer.lora.rank 8`` (the default targets: every linear, the
-    head and the routed experts): the reward climbs (measured rises 0.23, 0.23; the bar leaves
+    """The first half of the quick start with ``--trainer.lora.rank 8`` (the default targets:
+    every linear, the head and the routed experts) at a learning rate for adapters (3x the
+    quick start's, as LoRA usually wants): the reward climbs (measured rises over 150 steps
+    0.20, 0.22; at the quick start's lr 0.11, and 0.23 over its 300 steps; the bar leaves
     room for noise)."""
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
-                        "--trainer.lora.rank", "8", "--output-dir", str(out)], capture_output=True, text=True,
-                       timeout=900)
+                        "--trainer.lora.rank", "8", "--trainer.lr", "1.2e-3", "--max-steps", "150",
+                        "--output-dir", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     rewards = [json.loads(line)["reward/mean"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last - first >= 0.15, (first, last)
+    assert last - first >= 0.12, (first, last)
 
 
 @pytest.mark.parametrize("algorithm", [
