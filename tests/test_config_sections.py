@@ -32,31 +32,40 @@ class Wrong:
     Config = NotASection
 
 
+class Bare:
+    """What each hook registers as "bare": a component that declares no Config at all."""
+
+
 class WrongPlugin:
     @staticmethod
     @hookimpl
     def register_models(register):
         register("wrong", Wrong)
+        register("bare", Bare)
 
     @staticmethod
     @hookimpl
     def register_envs(register):
         register("wrong", Wrong)
+        register("bare", Bare)
 
     @staticmethod
     @hookimpl
     def register_inference_backends(register):
         register("wrong", Wrong)
+        register("bare", Bare)
 
     @staticmethod
     @hookimpl
     def register_launchers(register):
         register("wrong", Wrong)
+        register("bare", Bare)
 
     @staticmethod
     @hookimpl
     def register_monitors(register):
         register("wrong", Wrong)
+        register("bare", Bare)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +87,47 @@ def test_every_plugin_section_is_resolved_by_the_one_resolver(registry, override
                     registry=registry)
     assert str(exc.value) == (f"{kind} plugin 'wrong' declares Config={NotASection!r}, which is not a subclass "
                               f"of primerl's {base}; fix the plugin")
+
+
+@pytest.mark.parametrize("overrides,kind,base", [
+    ([("model.name", "bare")], "model", "primerl.models.ModelConfig"),
+    ([("env.name", "bare")], "env", "primerl.envs.EnvConfig"),
+    ([("orchestrator.sources", '[{name = "b", env = "bare"}]')], "env", "primerl.envs.EnvConfig"),
+    ([("inference.backend", "bare")], "inference_backend", "primerl.inference.InferenceConfig"),
+    ([("launcher.name", "bare")], "launcher", "primerl.launchers.LauncherConfig"),
+    ([("monitors.bare.enabled", "true")], "monitor", "primerl.monitors.MonitorConfig"),
+], ids=["model", "env", "source-env", "inference", "launcher", "monitor"])
+def test_a_plugin_that_declares_no_config_is_one_line_naming_the_line_to_add(registry, overrides, kind, base):
+    """``Config`` is part of every such kind's contract: a plugin without it is refused when
+    it is selected, naming the plugin and the class to set, never a traceback."""
+    with pytest.raises(ConfigError) as exc:
+        load_config(ConfigSources(overrides=overrides), {"model.name": "glm5"} if kind != "model" else None,
+                    registry=registry)
+    assert str(exc.value) == (f"{kind} plugin 'bare' ({__name__}:Bare) declares no Config: set Config = {base} on "
+                              f"it (or a subclass with the plugin's own keys); fix the plugin")
+
+
+def test_every_built_in_plugin_of_a_kind_with_a_section_declares_its_config():
+    """The built-in models, envs, backends, launchers and monitors each set ``Config`` (the
+    section's own class when they have no keys of their own)."""
+    from primerl.envs import EnvConfig
+    from primerl.inference import InferenceConfig
+    from primerl.launchers import LauncherConfig
+    from primerl.models import ModelConfig
+    from primerl.monitors import MonitorConfig
+    from primerl.registry import get_registry
+    from primerl.sections import declared_config
+
+    bases = {"model": ModelConfig, "env": EnvConfig, "inference_backend": InferenceConfig,
+             "launcher": LauncherConfig, "monitor": MonitorConfig}
+    reg = get_registry()
+    checked = []
+    for kind, base in bases.items():
+        for c in reg.of_kind(kind):
+            if c.error is None and c.distribution is not None and c.distribution.startswith("primerl"):
+                assert issubclass(declared_config(c.load(), kind, c.name, base), base)
+                checked.append(f"{kind}:{c.name}")
+    assert {"launcher:local", "monitor:file", "inference_backend:embedded", "env:reverse-text"} <= set(checked)
 
 
 @pytest.mark.parametrize("key,kind", [("model.name", "model"), ("inference.backend", "inference_backend"),

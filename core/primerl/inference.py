@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import attrs
 
@@ -149,9 +149,12 @@ class InferenceBackend(Protocol):
     ``cfg.inference.port`` until the process is stopped, answering the endpoints below
     with the records of :mod:`primerl.serving.protocol` (a backend serves the one front,
     :func:`primerl.serving.front.create_app`, over its generator). Options come from
-    ``cfg.inference``: the keys every backend shares, and its own when it declares a
-    ``Config`` (a subclass of the ``[inference]`` section's class).
+    ``cfg.inference``, an instance of the backend's ``Config``.
     """
+
+    # the class that checks [inference] when this backend is selected: InferenceConfig, or a
+    # subclass with the backend's own keys (load_config structures the section with it)
+    Config: ClassVar[type[InferenceConfig]]
 
     def serve(self, cfg: RunConfig) -> None: ...
 

@@ -1,18 +1,21 @@
-"""Which class checks each config section: the selected plugin's ``Config``, else the contract's.
+"""Which class checks each config section: the selected plugin's ``Config``.
 
-A plugin may declare its own options by setting ``Config`` on what it registers, a subclass
-of the section class its contract owns: a model's of :class:`primerl.models.ModelConfig`
+Every plugin of a kind with a config section declares ``Config`` on what it registers (the
+kind's Protocol or base class says so): the section class its contract owns, or a subclass
+of it with the plugin's own options: a model's of :class:`primerl.models.ModelConfig`
 (``[model]``), an environment's of :class:`primerl.envs.EnvConfig` (``[env]`` and every
 source's ``env`` table), an inference backend's of :class:`primerl.inference.InferenceConfig`
 (``[inference]``), a launcher's of :class:`primerl.launchers.LauncherConfig` (``[launcher]``),
 a monitor's of :class:`primerl.monitors.MonitorConfig` (``[monitors.<name>]``).
-:func:`config_class` is the one place that reads it, for every kind; the loader
+:func:`declared_config` is the one place that reads it, for every kind (a plugin that
+lacks it is a ConfigError naming the plugin and the line to add); the loader
 (:mod:`primerl.config`) then structures the section's table with the class it returns, so a
 third-party plugin gets the same checks and error messages as the core's sections.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,8 +28,7 @@ __all__ = ["config_class", "declared_config", "section_class"]
 
 
 def config_class(registry: Any, kind: str, name: str, base: type, *, label: str) -> type:
-    """The ``Config`` class plugin ``name`` of ``kind`` declares (a subclass of ``base``),
-    else ``base``. ``label`` says where the name was given ("inference.backend = 'vllm' (from
+    """The ``Config`` class plugin ``name`` of ``kind`` declares (``base`` or a subclass). ``label`` says where the name was given ("inference.backend = 'vllm' (from
     the command line)"): a plugin that does not load is a ConfigError starting with it."""
     try:
         target = registry.load(kind, name)
@@ -37,10 +39,16 @@ def config_class(registry: Any, kind: str, name: str, base: type, *, label: str)
 
 def declared_config(target: Any, kind: str, name: str, base: type) -> type:
     """The ``Config`` class the loaded component ``target`` (plugin ``name`` of ``kind``)
-    declares, a subclass of ``base``; ``base`` when it declares none."""
-    cls = getattr(target, "Config", None)  # optional: a plugin without options declares none
-    if cls is None:
-        return base
+    declares: ``base`` or a subclass of it. One that declares none, or something else, is a
+    ConfigError saying what to set."""
+    try:
+        cls = target.Config
+    except AttributeError:
+        what = (f"{target.__module__}:{target.__qualname__}" if isinstance(target, (type, types.FunctionType))
+                else repr(target))
+        raise ConfigError(f"{kind} plugin '{name}' ({what}) declares no Config: set Config = "
+                          f"{base.__module__}.{base.__qualname__} on it (or a subclass with the plugin's own keys); "
+                          f"fix the plugin") from None
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise ConfigError(f"{kind} plugin '{name}' declares Config={cls!r}, which is not a subclass of "
                           f"primerl's {base.__name__}; fix the plugin")
@@ -51,7 +59,7 @@ def section_class(raw: Mapping[str, Any], sources: Mapping[str, str], registry: 
                   base: type) -> type:
     """The class that checks the section of ``key`` (``section.field`` naming a plugin of
     ``kind``, e.g. ``inference.backend``) in the merged table ``raw``: the named plugin's
-    ``Config``, else ``base`` (whose default names the plugin when the key is not set)."""
+    ``Config`` (``base``'s default names the plugin when the key is not set)."""
     section, _, field = key.partition(".")
     table = raw.get(section, {})
     if not isinstance(table, Mapping):
