@@ -47,6 +47,10 @@ __all__ = [
 class InferenceConfig:
     """The ``[inference]`` section: the server(s) that generate rollouts."""
 
+    # the keys (fnmatch patterns) that may differ when a run continues (primerl.resume):
+    # where the servers are, not what they compute; a backend's Config adds its own
+    may_change_on_resume: ClassVar[tuple[str, ...]] = ("host", "*port", "*urls", "api_key", "*replicas", "role")
+
     # the inference backend plugin (register_inference_backends): "embedded" (primerl's own
     # engine, CPU or GPU) or "vllm" (its own keys: docs/vllm.md)
     backend: str = "embedded"
@@ -94,9 +98,6 @@ class InferenceConfig:
     max_batch_size: int = attrs.field(default=64, validator=positive)
     # most tokens of one sequence, prompt + completion (vLLM's --max-model-len)
     max_model_len: int = attrs.field(default=1024, validator=positive)
-    # embedded engine: sequences its KV cache holds, each max_model_len long (running ones
-    # and idle cached prefixes); at least max_batch_size, more leaves room for prefix reuse
-    kv_slots: int = attrs.field(default=128, validator=positive)
     # "float32", "bfloat16" or "float16" for the served model; None: the model section's dtype
     dtype: str | None = None
     # KV store plugin (register_kv_stores) that keeps finished sequences' KV for prefix reuse
@@ -109,8 +110,6 @@ class InferenceConfig:
     # the key every request must carry (Authorization: Bearer KEY); needed to bind a host
     # other than loopback. PRIMERL_API_KEY in the environment keeps it out of config.toml.
     api_key: str | None = None
-    # sequences that may wait for the engine; beyond it requests get 503 (Retry-After)
-    max_queue: int = attrs.field(default=4096, validator=positive)
 
     def resolved_api_key(self) -> str | None:
         """``api_key``, else the ``PRIMERL_API_KEY`` environment variable, else None."""

@@ -24,7 +24,7 @@ import attrs
 from primerl.errors import ConfigError, PluginError
 from primerl.structuring import origin_of
 
-__all__ = ["config_class", "declared_config", "section_class"]
+__all__ = ["chosen_plugin", "config_class", "declared_config", "fit_section", "section_class"]
 
 
 def config_class(registry: Any, kind: str, name: str, base: type, *, label: str) -> type:
@@ -60,6 +60,13 @@ def section_class(raw: Mapping[str, Any], sources: Mapping[str, str], registry: 
     """The class that checks the section of ``key`` (``section.field`` naming a plugin of
     ``kind``, e.g. ``inference.backend``) in the merged table ``raw``: the named plugin's
     ``Config`` (``base``'s default names the plugin when the key is not set)."""
+    name = chosen_plugin(raw, sources, key, kind, base)
+    return config_class(registry, kind, name, base, label=f"{key} = {name!r} ({origin_of(sources, key)})")
+
+
+def chosen_plugin(raw: Mapping[str, Any], sources: Mapping[str, str], key: str, kind: str, base: type) -> str:
+    """The name of the ``kind`` plugin ``key`` (``section.field``) selects in ``raw``: its
+    value, else ``base``'s default for it."""
     section, _, field = key.partition(".")
     table = raw.get(section, {})
     if not isinstance(table, Mapping):
@@ -68,4 +75,49 @@ def section_class(raw: Mapping[str, Any], sources: Mapping[str, str], registry: 
     if not isinstance(name, str):
         raise ConfigError(f"{key} = {name!r} ({origin_of(sources, key)}) must be a string: the name of an "
                           f"installed {kind} plugin (primerl plugins list)")
-    return config_class(registry, kind, name, base, label=f"{key} = {name!r} ({origin_of(sources, key)})")
+    return name
+
+
+def fit_section(raw: dict[str, Any], sources: dict[str, str], suggested: set[str], registry: Any, key: str,
+                kind: str, base: type, cls: type) -> None:
+    """Fit the section of ``key`` in ``raw`` to ``cls``, the selected plugin's ``Config``.
+
+    A key ``cls`` lacks that only suggestions set (``suggested``: key paths an env's run
+    defaults gave and no file or flag did) is dropped with its origin: the env suggested it
+    for another plugin (the embedded engine's ``kv_slots`` under the vllm backend). One the
+    user gave that another installed plugin of ``kind`` has is one line naming that plugin;
+    any other stays, for :func:`primerl.structuring.structure` to refuse as unknown."""
+    section = key.partition(".")[0]
+    table = raw.get(section)
+    if not isinstance(table, dict):
+        return
+    fields, name = attrs.fields_dict(cls), chosen_plugin(raw, sources, key, kind, base)
+    for field in [f for f in table if f not in fields]:
+        path = f"{section}.{field}"
+        given = [p for p in sources if p == path or p.startswith(path + ".")]
+        if given and all(p in suggested for p in given):
+            del table[field]
+            for p in given:
+                del sources[p]
+            continue
+        owners = _owners(registry, kind, base, field, name)
+        if owners:
+            raise ConfigError(f"unknown key '{path}' ({origin_of(sources, path)}): {key} {name!r} "
+                              f"({origin_of(sources, key)}) has no such key; it belongs to the section of {kind} "
+                              f"{' and '.join(repr(o) for o in owners)} (drop it, or set {key} = {owners[0]!r})")
+
+
+def _owners(registry: Any, kind: str, base: type, field: str, chosen: str) -> list[str]:
+    """The installed ``kind`` plugins other than ``chosen`` whose ``Config`` has ``field``
+    (read only to name them in an error: one that does not load is left out)."""
+    out = []
+    for c in registry.of_kind(kind):
+        if c.error is not None or c.name == chosen:
+            continue
+        try:
+            cls = declared_config(c.load(), kind, c.name, base)
+        except (ConfigError, PluginError):
+            continue
+        if field in attrs.fields_dict(cls):
+            out.append(c.name)
+    return out
