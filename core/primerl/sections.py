@@ -11,6 +11,11 @@ a monitor's of :class:`primerl.monitors.MonitorConfig` (``[monitors.<name>]``).
 lacks it is a ConfigError naming the plugin and the line to add); the loader
 (:mod:`primerl.config`) then structures the section's table with the class it returns, so a
 third-party plugin gets the same checks and error messages as the core's sections.
+
+A section's table is fitted to that class first (:func:`fit_section`): an env's run defaults
+are suggestions, so a key of theirs the selected plugin's ``Config`` lacks (the embedded
+engine's ``kv_slots`` under the vllm backend) is dropped, while the same key from a file or
+a flag is an error that names the installed plugin whose section has it.
 """
 
 from __future__ import annotations
