@@ -2,8 +2,7 @@
 capability record), not by probing attributes: the core holds at most ``MAX_PROBES`` calls of
 ``getattr``/``hasattr``, counted from the source with ``ast`` over every module. The ones left
 are mechanisms, not capability probes: a lazy ``"module:attr"`` target, pluggy's hook markers
-and a plugin object's name, a plugin's optional ``Config`` (one resolver,
-``primerl.sections.declared_config``), a tool an env names and an env method a worker runs by
+and a plugin object's name, a tool an env names and an env method a worker runs by
 name, a type's name in an error, a dtype by its name, library feature checks (torch, DeepGEMM, an
 HF config, a tokenizer's answer).
 """
@@ -15,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "core" / "primerl"
-MAX_PROBES = 15
+MAX_PROBES = 14
 
 
 def probes(root: Path) -> list[str]:

@@ -102,6 +102,16 @@ def test_another_config_is_refused_in_one_line_and_nothing_moves(tmp_path):
         assert not may_change(key), key
 
 
+def test_the_backends_config_names_its_own_keys_that_may_change(tmp_path):
+    """The embedded engine's queue bound is its section's key, and its Config lists it among
+    the keys a continued run may change; its KV cache size changes what it computes."""
+    run = unfinished(tmp_path)
+    assert config_changes(run.config, cfg_for(run.root, **{"inference.max_queue": 8})) == []
+    assert [k for k, _, _ in config_changes(run.config, cfg_for(run.root, **{"inference.kv_slots": 8}))] == [
+        "inference.kv_slots"]
+    assert not may_change("inference.max_queue")  # a key of no section the core owns
+
+
 def test_other_kv_store_or_router_options_are_refused_like_any_other_key(tmp_path):
     """They are config keys, in config.toml: a resume whose store or router is set up
     differently is refused, naming the option (no environment variable bypasses the check)."""

@@ -39,7 +39,7 @@ from primerl.models.sources import is_checkpoint_name, model_type_of, packaged
 from primerl.monitors import MonitorConfig, with_always_on
 from primerl.parallel import ParallelConfig
 from primerl.registry import get_registry
-from primerl.sections import config_class, section_class
+from primerl.sections import config_class, fit_section, section_class
 from primerl.structuring import first_origin_under as _first_source_under
 from primerl.structuring import origin_of as _src
 from primerl.structuring import structure
@@ -53,6 +53,12 @@ else:  # pragma: no cover
 __all__ = ["CLI", "ConfigSources", "EvalSourceConfig", "LoraConfig", "OrchestratorConfig", "RunConfig", "SftConfig",
            "SourceConfig", "TrainerConfig", "WatchdogConfig", "build_raw", "dump_toml", "load_config", "merge_into",
            "parse_value", "read_toml", "set_dotted", "source_name_for", "split_args", "to_dict"]
+
+
+# the sections whose class the plugin a key selects picks: section -> (key, kind, base class)
+PLUGIN_SECTIONS = {"model": ("model.name", "model", ModelConfig), "env": ("env.name", "env", EnvConfig),
+                   "inference": ("inference.backend", "inference_backend", InferenceConfig),
+                   "launcher": ("launcher.name", "launcher", LauncherConfig)}
 
 
 # --------------------------------------------------------------------------------------
@@ -555,40 +561,17 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
                               f"on: list every environment as a source, or give [env] (--env) alone")
         raw["env"] = _source_env(listed["sources"][0], "orchestrator.sources[0]", sources, reg)[0]
     _model_from_checkpoint(raw, sources, reg)
-    plugin_classes = {"model": section_class(raw, sources, reg, "model.name", "model", ModelConfig),
-                      "env": section_class(raw, sources, reg, "env.name", "env", EnvConfig)}
-    # An environment may suggest run settings (max_tokens, SFT warm-up...) via
-    # `run_defaults`; they sit below every file and override the user gives.
-    env_name = raw.get("env", {}).get("name", EnvConfig().name)
-    env_cls = reg.load("env", env_name)
-    if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
-        raise ConfigError(f"env plugin '{env_name}' registers {env_cls!r}, which is not a subclass of "
-                          "primerl.envs.Environment (SingleTurnEnv, MultiTurnEnv, AgentEnv...); fix the plugin")
-    # A pretrained checkpoint gets the env's pretrained_run_defaults on top (a learning rate
-    # for real weights, no warm-up on the answers...).
-    pretrained = isinstance(raw.get("model"), Mapping) and raw["model"].get("checkpoint") is not None
-    layers = [(env_cls.run_defaults, f"the run defaults of env '{env_name}'")]
-    if pretrained:
-        layers.append((env_cls.pretrained_run_defaults,
-                       f"the run defaults of env '{env_name}' for a pretrained checkpoint"))
-    if any(d for d, _ in layers):
-        merged: dict[str, Any] = {}
-        default_sources: dict[str, str] = {}
-        for defaults, origin in layers:
-            merge_into(merged, defaults, origin, default_sources)
-        merge_into(merged, raw, "", {})
-        raw = merged
-        for path, origin in default_sources.items():
-            sources.setdefault(path, origin)
-    inference_cls = section_class(raw, sources, reg, "inference.backend", "inference_backend", InferenceConfig)
-    launcher_cls = section_class(raw, sources, reg, "launcher.name", "launcher", LauncherConfig)
-    top = {k: v for k, v in raw.items() if k not in plugin_classes and k not in ("inference", "launcher", "monitors")}
+    # the model and the env are known before the env's run defaults, the backend and launcher after
+    plugin_classes = {s: section_class(raw, sources, reg, *PLUGIN_SECTIONS[s]) for s in ("model", "env")}
+    raw, suggested = _with_run_defaults(raw, sources, reg)
+    plugin_classes |= {s: section_class(raw, sources, reg, *PLUGIN_SECTIONS[s]) for s in ("inference", "launcher")}
+    for section, cls in plugin_classes.items():
+        fit_section(raw, sources, suggested, reg, *PLUGIN_SECTIONS[section], cls)
+    top = {k: v for k, v in raw.items() if k not in plugin_classes and k != "monitors"}
     cfg = structure(RunConfig, top, "", sources)
     cfg.monitors = _structure_monitors(raw.get("monitors", {}), sources, reg)
     for section, cls in plugin_classes.items():
         setattr(cfg, section, structure(cls, raw.get(section, {}), section, sources))
-    cfg.inference = structure(inference_cls, raw.get("inference", {}), "inference", sources)
-    cfg.launcher = structure(launcher_cls, raw.get("launcher", {}), "launcher", sources)
     cfg.orchestrator.sources = [_structure_source(SourceConfig, t, f"orchestrator.sources[{i}]", sources, reg)
                                 for i, t in enumerate(listed["sources"])]
     cfg.orchestrator.eval_sources = [
@@ -596,6 +579,34 @@ def load_config(src: ConfigSources, explicit: Mapping[str, Any] | None = None, r
         for i, t in enumerate(listed["eval_sources"])]
     cfg.check(sources)
     return cfg
+
+
+def _with_run_defaults(raw: dict[str, Any], sources: dict[str, str], reg: Any) -> tuple[dict[str, Any], set[str]]:
+    """``raw`` over the run settings the env suggests (``run_defaults``: max_tokens, SFT
+    warm-up...; with a pretrained checkpoint its ``pretrained_run_defaults`` on top), which
+    sit below every file and flag, and the key paths only they set: a plugin section drops
+    those its selected plugin lacks (:func:`primerl.sections.fit_section`)."""
+    env_name = raw.get("env", {}).get("name", EnvConfig().name)
+    env_cls = reg.load("env", env_name)
+    if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
+        raise ConfigError(f"env plugin '{env_name}' registers {env_cls!r}, which is not a subclass of "
+                          "primerl.envs.Environment (SingleTurnEnv, MultiTurnEnv, AgentEnv...); fix the plugin")
+    pretrained = isinstance(raw.get("model"), Mapping) and raw["model"].get("checkpoint") is not None
+    layers = [(env_cls.run_defaults, f"the run defaults of env '{env_name}'")]
+    if pretrained:
+        layers.append((env_cls.pretrained_run_defaults,
+                       f"the run defaults of env '{env_name}' for a pretrained checkpoint"))
+    if not any(d for d, _ in layers):
+        return raw, set()
+    merged: dict[str, Any] = {}
+    default_sources: dict[str, str] = {}
+    for defaults, origin in layers:
+        merge_into(merged, defaults, origin, default_sources)
+    merge_into(merged, raw, "", {})
+    suggested = {path for path in default_sources if path not in sources}
+    for path, origin in default_sources.items():
+        sources.setdefault(path, origin)
+    return merged, suggested
 
 
 def _model_from_checkpoint(raw: dict[str, Any], sources: dict[str, str], reg: Any) -> None:

@@ -38,19 +38,26 @@ then `ep = 2`) or a flag with the whole path (`--trainer.parallel.ep 2`).
 An environment may supply `run_defaults` that sit below every file and flag (reverse-text
 does, so that the quick start learns on a CPU). Plugin sections (`[model]`, `[env]`) are
 validated by the selected plugin's own `Config` class and may have more keys than listed here;
-so is `[inference]` when the backend declares one (vLLM's keys: `docs/vllm.md`), and each
-`[monitors.<name>]` table by its monitor's (their keys: `docs/monitors.md`).
+so is `[inference]` by the backend's (the embedded engine's own keys have a table below;
+vLLM's: `docs/vllm.md`), and each `[monitors.<name>]` table by its monitor's (their keys:
+`docs/monitors.md`). Keys an env's `run_defaults` set that the selected plugin's `Config`
+lacks are dropped (the env suggested them for another backend); given in a file or a flag,
+they are errors.
 
 This file is generated from the config classes and their source comments
 (`core/primerl/config.py` and the contract modules that own theirs: `ModelConfig` in
 `core/primerl/models/__init__.py`, `EnvConfig` in `core/primerl/envs/__init__.py`, `InferenceConfig` in
 `core/primerl/inference.py`, `ParallelConfig` in `core/primerl/parallel.py`, `LauncherConfig` in
-`core/primerl/launchers.py`, `MonitorConfig` in `core/primerl/monitors.py`):
+`core/primerl/launchers.py`, `MonitorConfig` in `core/primerl/monitors.py`; the embedded
+engine's keys in `plugins/inference/embedded/primerl_embedded/config.py`):
 after changing a key, run `python -m primerl.config_reference > docs/configuration.md`.
 """
 
 # RunConfig's sections in the order of the reference; one missing here follows them
 ORDER = ("model", "env", "inference", "orchestrator", "trainer", "sft", "launcher", "monitors")
+# plugin sections whose default plugin's own keys (its Config's fields beyond the section
+# class's) get a table after the section's: the embedded engine's, what a default run sets
+DEFAULT_PLUGIN_KEYS = ("inference",)
 # what a heading adds for the sections that plugins extend
 NOTES = {
     "model": "base of every model plugin's config",
@@ -72,9 +79,12 @@ class Section:
     path: str  # "" for the top level, else the dotted section ("trainer.parallel")
     cls: type
     rows: tuple[Row, ...]
+    title: str = ""  # the heading, when it is not the path's
 
     @property
     def heading(self) -> str:
+        if self.title:
+            return self.title
         if not self.path:
             return "top level"
         note = NOTES.get(self.path)
@@ -197,6 +207,24 @@ def sections(root: type | None = None, path: str = "") -> Iterator[Section]:
         where = f"{path}.{f.name}" if path else f.name
         named = _named_sections(hints[f.name])
         yield from sections(named, f"{where}.<name>") if named else sections(hints[f.name], where)
+        if where in DEFAULT_PLUGIN_KEYS:
+            yield default_plugin_section(where)
+
+
+def default_plugin_section(path: str) -> Section:
+    """The keys the default plugin of section ``path`` adds to it (its ``Config``'s own
+    fields), found through the registry as ``load_config`` finds them."""
+    from primerl.config import PLUGIN_SECTIONS
+    from primerl.registry import get_registry
+    from primerl.sections import config_class
+
+    key, kind, base = PLUGIN_SECTIONS[path]
+    name = attrs.fields_dict(base)[key.partition(".")[2]].default
+    cls = config_class(get_registry(), kind, name, base, label=f"{key} = {name!r} (its default)")
+    hints, docs, shared = typing.get_type_hints(cls), field_comments(cls), attrs.fields_dict(base)
+    rows = tuple(Row(f.name, type_name(hints[f.name]), default_text(f), docs.get(f.name, ""))
+                 for f in attrs.fields(cls) if f.name not in shared)
+    return Section(path, cls, rows, title=f"`[{path}]` with `{key.partition('.')[2]} = \"{name}\"` (the default)")
 
 
 def _cell(text: str, prose: bool = False) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import attrs
 
@@ -46,6 +46,10 @@ __all__ = [
 @attrs.define(kw_only=True)
 class InferenceConfig:
     """The ``[inference]`` section: the server(s) that generate rollouts."""
+
+    # the keys (fnmatch patterns) that may differ when a run continues (primerl.resume):
+    # where the servers are, not what they compute; a backend's Config adds its own
+    may_change_on_resume: ClassVar[tuple[str, ...]] = ("host", "*port", "*urls", "api_key", "*replicas", "role")
 
     # the inference backend plugin (register_inference_backends): "embedded" (primerl's own
     # engine, CPU or GPU) or "vllm" (its own keys: docs/vllm.md)
@@ -94,9 +98,6 @@ class InferenceConfig:
     max_batch_size: int = attrs.field(default=64, validator=positive)
     # most tokens of one sequence, prompt + completion (vLLM's --max-model-len)
     max_model_len: int = attrs.field(default=1024, validator=positive)
-    # embedded engine: sequences its KV cache holds, each max_model_len long (running ones
-    # and idle cached prefixes); at least max_batch_size, more leaves room for prefix reuse
-    kv_slots: int = attrs.field(default=128, validator=positive)
     # "float32", "bfloat16" or "float16" for the served model; None: the model section's dtype
     dtype: str | None = None
     # KV store plugin (register_kv_stores) that keeps finished sequences' KV for prefix reuse
@@ -109,8 +110,6 @@ class InferenceConfig:
     # the key every request must carry (Authorization: Bearer KEY); needed to bind a host
     # other than loopback. PRIMERL_API_KEY in the environment keeps it out of config.toml.
     api_key: str | None = None
-    # sequences that may wait for the engine; beyond it requests get 503 (Retry-After)
-    max_queue: int = attrs.field(default=4096, validator=positive)
 
     def resolved_api_key(self) -> str | None:
         """``api_key``, else the ``PRIMERL_API_KEY`` environment variable, else None."""
@@ -149,9 +148,12 @@ class InferenceBackend(Protocol):
     ``cfg.inference.port`` until the process is stopped, answering the endpoints below
     with the records of :mod:`primerl.serving.protocol` (a backend serves the one front,
     :func:`primerl.serving.front.create_app`, over its generator). Options come from
-    ``cfg.inference``: the keys every backend shares, and its own when it declares a
-    ``Config`` (a subclass of the ``[inference]`` section's class).
+    ``cfg.inference``, an instance of the backend's ``Config``.
     """
+
+    # the class that checks [inference] when this backend is selected: InferenceConfig, or a
+    # subclass with the backend's own keys (load_config structures the section with it)
+    Config: ClassVar[type[InferenceConfig]]
 
     def serve(self, cfg: RunConfig) -> None: ...
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import attrs
 
@@ -42,7 +42,7 @@ class LauncherCapabilities:
 
 @attrs.define(kw_only=True)
 class LauncherConfig:
-    """The ``[launcher]`` section; a launcher declaring a ``Config`` (a subclass) adds its keys."""
+    """The ``[launcher]`` section; a launcher whose ``Config`` is a subclass adds its keys."""
 
     # the launcher plugin (register_launchers) that starts inference, orchestrator and
     # trainer: "local" runs them all on this machine, "slurm" submits them as a Slurm job
@@ -57,6 +57,10 @@ class LauncherConfig:
 @runtime_checkable
 class Launcher(Protocol):
     """Runs a whole RL job (``register_launchers``; see docs/plugins.md)."""
+
+    # the class that checks [launcher] when this launcher is selected: LauncherConfig, or a
+    # subclass with the launcher's own keys
+    Config: ClassVar[type[LauncherConfig]]
 
     def launch(self, cfg: RunConfig) -> int:
         """Write ``cfg`` to the run directory, start the run's processes and follow them

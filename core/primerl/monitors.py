@@ -33,7 +33,7 @@ import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 
@@ -126,13 +126,15 @@ class Monitor(Protocol):
     """Where a run's metrics go (``register_monitors``; see docs/plugins.md and docs/monitors.md).
 
     The target is a class, instantiated with its options (an instance of its ``Config``
-    class attribute, a subclass of :class:`MonitorConfig`, or of MonitorConfig itself when
-    it declares none), on the trainer's publishing rank only. ``start`` is called once
+    class attribute: :class:`MonitorConfig`, or a subclass with the monitor's own keys), on
+    the trainer's publishing rank only. ``start`` is called once
     before the first step, ``log`` once per step with the exact record appended to
     ``metrics.jsonl`` (JSON values: numbers mostly), ``log_samples`` on the steps its
     ``samples_every`` picks, ``finish`` once at the end (also when the trainer fails).
     Any exception is reported once and the monitor is dropped.
     """
+
+    Config: ClassVar[type[MonitorConfig]]  # the class that checks [monitors.<name>]
 
     def start(self, run: RunInfo) -> None: ...
 

@@ -15,7 +15,8 @@ trained twice, the same task order. Three pieces make that work:
 * :func:`prepare` (launchers call :func:`prepare_run`; a batch script that starts the
   processes itself runs ``python -m primerl.resume OUT`` first): before any process starts,
   refuse a finished run and a config that differs from the recorded one in a key that
-  matters (every key but :data:`MAY_CHANGE`), and set aside what the interrupted attempt
+  matters (every key but :data:`MAY_CHANGE` and the ``[inference]`` keys its backend's
+  ``Config`` lists in ``may_change_on_resume``), and set aside what the interrupted attempt
   left beyond step s (its rollouts, metric lines, logs, unusable checkpoints; its weights
   beyond s are deleted, the trainer publishes them again) into ``OUT/previous-<time>/``,
   so neither process reads a stale file. With no usable checkpoint the run starts over and
@@ -42,6 +43,7 @@ from typing import Any
 import attrs
 
 from primerl.errors import PrimerlError
+from primerl.inference import InferenceConfig
 from primerl.rundir import (
     MANIFEST,
     OPTIMIZER_DIR,
@@ -60,11 +62,10 @@ __all__ = ["Resume", "RunFinished", "prepare", "prepare_run", "usable_checkpoint
 
 # config keys that may differ when a run is continued: where it runs, how it is served
 # or laid out and where its metrics go, not what it trains (checkpoints reshard onto any trainer layout); raising
-# max_steps continues training (a cosine or linear decay then stretches to the new end)
+# max_steps continues training (a cosine or linear decay then stretches to the new end). The
+# [inference] keys are the selected backend's Config's (InferenceConfig.may_change_on_resume)
 MAY_CHANGE = (
     "max_steps", "output_dir",
-    "inference.host", "inference.*port", "inference.*urls", "inference.api_key", "inference.*replicas",
-    "inference.role", "inference.max_queue",
     "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.nproc", "trainer.parallelism",
     "trainer.parallel.*",
     "orchestrator.eval_every", "orchestrator.eval_tasks", "orchestrator.eval_temperature", "orchestrator.eval_samples",
@@ -260,8 +261,11 @@ def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def may_change(key: str) -> bool:
-    return any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE)
+def may_change(key: str, inference: type[InferenceConfig] = InferenceConfig) -> bool:
+    """Whether ``key`` may differ when a run continues: one of :data:`MAY_CHANGE`, or of the
+    ``[inference]`` keys the backend's Config (``inference``) lists as such."""
+    patterns = (*MAY_CHANGE, *(f"inference.{k}" for k in inference.may_change_on_resume))
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in patterns)
 
 
 def config_changes(recorded: Path, cfg: Any) -> list[tuple[str, Any, Any]]:
@@ -276,7 +280,7 @@ def config_changes(recorded: Path, cfg: Any) -> list[tuple[str, Any, Any]]:
         old = _flat(tomllib.loads(recorded.read_text()))
         new = _flat(tomllib.loads(dump_toml(to_dict(cfg))))
     return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k) and not may_change(k)]
+            if old.get(k) != new.get(k) and not may_change(k, type(cfg.inference))]
 
 
 def _show(v: Any) -> str:

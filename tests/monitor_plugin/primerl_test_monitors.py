@@ -16,6 +16,8 @@ class FlakyConfig(MonitorConfig):
 
 
 class NeedsMissingLibrary:
+    Config = MonitorConfig  # no keys of its own
+
     def __init__(self, options):
         self.options = options
 
@@ -56,6 +58,7 @@ class Flaky:
 class Recorder:
     """Keeps every call (the fast tests read it back from ``Recorder.last``)."""
 
+    Config = MonitorConfig
     last = None
 
     def __init__(self, options):

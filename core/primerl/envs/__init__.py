@@ -17,9 +17,9 @@ The simplest environment a third party writes::
     def register_envs(register):
         register("echo", Echo)
 
-An environment may declare ``Config``, a subclass of :class:`EnvConfig` (below),
-to accept options from the ``[env]`` section (``--env.my_option 3``); it receives the
-validated instance as ``self.config``.
+Every environment has a ``Config``, the class that checks its ``[env]`` section:
+:class:`EnvConfig` (below) from the base class, or a subclass with the env's own options
+(``--env.my_option 3``); it receives the validated instance as ``self.config``.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def _task_error(cause: str, task_id: str | None) -> TaskError:
 class Environment:
     """Base of all environments. Subclasses implement ``tasks``; see SingleTurnEnv."""
 
+    # the class that checks [env] (and a source's env table): EnvConfig, or a subclass with
+    # the env's own options
     Config: ClassVar[type[EnvConfig]] = EnvConfig
     system_prompt: ClassVar[str | None] = None
     # run settings the env suggests (``{"orchestrator": {"max_tokens": 64}, "sft": {...}}``):

@@ -117,7 +117,8 @@ class ModelCapabilities:
 class ModelAdapter:
     """Base class of model adapters: everything the core asks of a model plugin.
 
-    Subclasses set ``name``, ``presets`` and ``Config`` and implement:
+    Subclasses set ``name``, ``presets`` and ``Config`` (the class that checks ``[model]``:
+    :class:`ModelConfig`, or a subclass with the model's own keys) and implement:
 
     * ``hf_config(preset) -> dict``: the HF-style ``config.json`` of a preset.
     * ``build(config, *, device="cpu") -> torch.nn.Module``: a

@@ -1,20 +1,32 @@
-"""The embedded backend's ``[inference]`` rules that need the whole run."""
+"""The embedded backend's ``[inference]`` section: the engine's own keys (``kv_slots``,
+``max_queue``; unknown keys under any other backend) and the rules that need the whole run."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from typing import ClassVar
 
 import attrs
 
 from primerl.config import RunConfig
 from primerl.errors import ConfigError
 from primerl.inference import InferenceConfig
+from primerl.validators import positive
 
 
 @attrs.define(kw_only=True)
 class EmbeddedConfig(InferenceConfig):
-    """``[inference]`` for the embedded engine: no keys of its own, its rules in :meth:`check`."""
+    """The keys of ``[inference]`` that only the embedded engine has; under another backend
+    they are unknown keys (an env's run defaults that set them are dropped there)."""
+
+    # sequences the engine's KV cache holds, each max_model_len long (running ones and idle
+    # cached prefixes); at least max_batch_size, more leaves room for prefix reuse
+    kv_slots: int = attrs.field(default=128, validator=positive)
+    # sequences that may wait for the engine; beyond it requests get 503 (Retry-After)
+    max_queue: int = attrs.field(default=4096, validator=positive)
+
+    may_change_on_resume: ClassVar[tuple[str, ...]] = (*InferenceConfig.may_change_on_resume, "max_queue")
 
     def check(self, run: RunConfig, sources: Mapping[str, str]) -> None:
         """Prefill/decode hands each prompt's KV from a prefill server to a decode server

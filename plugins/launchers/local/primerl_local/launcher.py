@@ -56,7 +56,7 @@ from primerl.errors import PrimerlError
 from primerl.inference import server_url
 from primerl.kv_service import start_run_service
 from primerl.kv_stores import ServiceSite
-from primerl.launchers import inference_names, inference_roles, pick_ports, process_command
+from primerl.launchers import LauncherConfig, inference_names, inference_roles, pick_ports, process_command
 from primerl.resume import prepare_run
 from primerl.rundir import RunDir
 from primerl.runtime import RunTime
@@ -138,6 +138,8 @@ class _View:
 
 class LocalLauncher:
     """Runs a whole RL job on this machine."""
+
+    Config = LauncherConfig  # no keys of its own
 
     def launch(self, cfg: RunConfig) -> int:
         run_dir = RunDir(Path(cfg.output_dir).resolve())
