@@ -33,8 +33,9 @@ __all__ = ["chosen_plugin", "config_class", "declared_config", "fit_section", "s
 
 
 def config_class(registry: Any, kind: str, name: str, base: type, *, label: str) -> type:
-    """The ``Config`` class plugin ``name`` of ``kind`` declares (``base`` or a subclass). ``label`` says where the name was given ("inference.backend = 'vllm' (from
-    the command line)"): a plugin that does not load is a ConfigError starting with it."""
+    """The ``Config`` class plugin ``name`` of ``kind`` declares (``base`` or a subclass).
+    ``label`` says where the name was given ("inference.backend = 'vllm' (from the command
+    line)"): a plugin that does not load is a ConfigError starting with it."""
     try:
         target = registry.load(kind, name)
     except PluginError as exc:
