@@ -22,17 +22,16 @@ class EmbeddedBackend:
     def build(self, cfg: RunConfig) -> tuple[Any, Any, Any]:
         """(engine, tokenizer, adapter) for ``cfg``; the engine is not started."""
         import attrs
-        import torch
 
         from primerl.registry import get_registry
         from primerl_embedded.engine import Engine
 
-        torch.set_grad_enabled(False)
         adapter = get_registry().load("model", cfg.model.name)()
         model_cfg = cfg.model
         if cfg.inference.dtype:
             model_cfg = attrs.evolve(model_cfg, dtype=cfg.inference.dtype)
         model = adapter.build(model_cfg, device=cfg.inference.resolved_device())
+        model.requires_grad_(False)  # served weights never train (not the caller's grad mode: a test builds in-process)
         if cfg.trainer.fp8:  # the trainer's block-scaled FP8 matmuls here too: both sides compute the same numbers
             from primerl.models.fp8_matmul import apply_fp8_matmuls_
 
@@ -77,12 +76,14 @@ class EmbeddedBackend:
         return load
 
     def serve(self, cfg: RunConfig) -> None:
+        import torch
         import uvicorn
 
         from primerl.inference import check_port_free
         from primerl_embedded.server import create_app
 
         check_port_free(cfg.inference.host, cfg.inference.port)  # before the model is built
+        torch.set_grad_enabled(False)  # this process only serves
         engine, tokenizer, adapter = self.build(cfg)
         engine.start()
         from primerl import watchdog
