@@ -229,6 +229,13 @@ def leftovers(root: str | Path | None = None, prefix: str = PREFIX) -> list[str]
 # --------------------------------------------------------------------------------------
 
 
+def slurmd_spool(prefix: str) -> Path:
+    """The nodes' SlurmdSpoolDir (``/tmp/PREFIX-slurmd/NODE``), outside ``root``: slurmstepd
+    makes its Unix sockets there (``NODE_JOB.STEP``), and a socket's path may not pass 108
+    bytes, which a test's or a CI machine's temporary directory alone can come near."""
+    return Path("/tmp") / f"{prefix}-slurmd"
+
+
 class Cluster:
     """An N-node Slurm cluster in ``root`` (its config, keys, spools and logs):
     :meth:`up` starts it, :meth:`down` leaves nothing of it. ``env`` is what the Slurm
@@ -401,7 +408,7 @@ class Cluster:
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(node_hosts(k))
             (etc / "hostname").write_text(name + "\n")
-            (root / "spool" / name).mkdir(parents=True, exist_ok=True)
+            (slurmd_spool(self.prefix) / name).mkdir(parents=True, exist_ok=True)
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
             _run("ip", "link", "set", veth, "master", self.bridge)
             _run("ip", "link", "set", veth, "up")
@@ -464,7 +471,7 @@ CredType=cred/munge
 SlurmctldPort={ctld_port}
 SlurmdPort={SLURMD_PORT}
 StateSaveLocation={root}/spool/ctld
-SlurmdSpoolDir={root}/spool/%n
+SlurmdSpoolDir={slurmd_spool(self.prefix)}/%n
 SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/spool/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
@@ -568,6 +575,7 @@ def down(root: str | Path | None = None, prefix: str = PREFIX) -> str:
         for line in _daemons_of(root):
             pid = int(re.search(r"\(pid (\d+)\)", line).group(1))
             _stop([(pid, _start_time(pid))], grace=5)
+    shutil.rmtree(slurmd_spool(prefix), ignore_errors=True)
     return prefix
 
 
