@@ -22,6 +22,39 @@ if os.environ.get("CI") and settings is not None:
     settings.load_profile("ci")
 
 
+# The suite runs on pytest-xdist workers (pyproject.toml: ``-n auto --dist loadgroup``; ``-n 0``
+# runs it in one process). The tests below share something a machine has once, so each
+# group runs on one worker, in order: the end-to-end runs start `primerl run` (and its
+# servers) on the default inference port, the one-node Slurm's jobs too; the multi-node
+# Slurm tests start clusters of network namespaces. Everything else is spread over the
+# workers test by test.
+SERIAL_GROUPS = {
+    "local-runs": ("tests/e2e/", "tests/envs/test_verifiers.py", "tests/envs/test_verifiers_v1.py",
+                   "tests/inference/test_echo.py", "tests/inference/test_pd.py", "tests/inference/test_vllm",
+                   "tests/kv_stores/test_third_party.py", "tests/models/test_gguf.py", "tests/models/test_hf.py",
+                   "tests/parallel/test_fsdp.py", "tests/test_cli.py", "tests/test_config_sections.py",
+                   "tests/test_eval.py", "tests/test_installed_plugins.py", "tests/test_monitors.py",
+                   "tests/launchers/test_slurm.py"),
+    "slurm-clusters": ("tests/launchers/test_slurm_multinode",),
+}
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per core, at most 4 (each slow test starts processes of its own)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") is None:
+            continue
+        path = Path(item.path).relative_to(REPO).as_posix()
+        for group, prefixes in SERIAL_GROUPS.items():
+            if path.startswith(prefixes):
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 120, cwd: Path | None = None):
     """Run ``primerl`` in a fresh interpreter, as a user would."""
     full_env = {**os.environ, **(env or {})}
