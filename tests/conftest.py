@@ -57,7 +57,7 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("slow") is None:
+        if item.get_closest_marker("slow") is None or not Path(item.path).is_relative_to(REPO):
             continue
         path = Path(item.path).relative_to(REPO).as_posix()
         for group, prefixes in SERIAL_GROUPS.items():
