@@ -237,7 +237,7 @@ def slurmd_spool(prefix: str) -> Path:
 
 
 class Cluster:
-    """An N-node Slurm cluster in ``root`` (its config, keys, spools and logs):
+    """An N-node Slurm cluster in ``root`` (its config, keys, slurmctld state and logs; the nodes' spools in :func:`slurmd_spool`):
     :meth:`up` starts it, :meth:`down` leaves nothing of it. ``env`` is what the Slurm
     client commands need (``SLURM_CONF``); ``names[k]`` and ``addresses[k]`` are node k's
     hostname (also its Slurm node name and its namespace) and IPv4 address."""
