@@ -1,6 +1,7 @@
 """Shared fixtures."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -45,8 +46,11 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_configure(config):
-    """On an xdist worker, torch's threads are its share of the cores: the default (every
-    core in each worker) makes the workers' thread pools spin against each other."""
+    """On an xdist worker: check that the groups take effect (below), and give torch's
+    threads the worker's share of the cores: the default (every core in each worker) makes
+    the workers' thread pools spin against each other."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup"):
+        config.pluginmanager.register(_GroupsTakeEffect(), "primerl-groups-take-effect")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
@@ -56,13 +60,38 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    """Mark the slow tests of SERIAL_GROUPS' files with their group. A test's node id names
+    its file relative to the rootdir (this checkout), however the checkout's path is spelled
+    (a symlink, a bind mount); a pytester session's own files never match."""
     for item in items:
-        if item.get_closest_marker("slow") is None or not Path(item.path).is_relative_to(REPO):
+        if item.get_closest_marker("slow") is None:
             continue
-        path = Path(item.path).relative_to(REPO).as_posix()
         for group, prefixes in SERIAL_GROUPS.items():
-            if path.startswith(prefixes):
+            if item.nodeid.startswith(prefixes):
                 item.add_marker(pytest.mark.xdist_group(group))
+
+
+
+class _GroupsTakeEffect:
+    """On an xdist worker: fail the grouped tests, naming why, when their groups do not reach
+    xdist's scheduler. xdist's worker names a test's group in its node id
+    (``...::test@local-runs``); where it cannot (pytest 9.2, pytest-dev/pytest-xdist#1386) the
+    groups' tests would run side by side and fail on the port they share, far from the cause."""
+
+    def __init__(self) -> None:
+        self.lost: set[str] = set()
+
+    @pytest.hookimpl(trylast=True)  # after xdist's worker hook
+    def pytest_collection_modifyitems(self, config, items):
+        self.lost = {item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid}
+
+    def pytest_runtest_setup(self, item):
+        if item.nodeid in self.lost:
+            import importlib.metadata as md
+
+            pytest.fail(f"pytest-xdist {md.version('pytest-xdist')} ignores this test's xdist_group with pytest "
+                        f"{pytest.__version__} (pytest-dev/pytest-xdist#1386), so it would run beside the tests it "
+                        "shares a port with: install requirements-test.txt's versions, or run with -n 0", pytrace=False)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 120, cwd: Path | None = None):
@@ -129,9 +158,13 @@ def venv(tmp_path_factory):
     py = layered_venv(root / "venv")
     broken = root / "broken"
     _make_broken_plugin(broken)
+    # built from a copy: a build in the checkout writes build/ and egg-info there, which a
+    # worker building at the same time (or a build that was killed) would trip over
+    template = shutil.copytree(REPO / "examples" / "plugin-template", root / "plugin-template",
+                               ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-build-isolation",
-         str(REPO / "examples" / "plugin-template"), str(broken)],
+         str(template), str(broken)],
         check=True, capture_output=True, text=True,
     )
     return py
