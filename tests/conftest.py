@@ -26,9 +26,11 @@ if os.environ.get("CI") and settings is not None:
 # The suite runs on pytest-xdist workers (pyproject.toml: ``-n auto --dist loadgroup``; ``-n 0``
 # runs it in one process). The tests below share something a machine has once, so each
 # group runs on one worker, in order: the end-to-end runs start `primerl run` (and its
-# servers) on the default inference port, the one-node Slurm's jobs too; the multi-node
-# Slurm tests start clusters of network namespaces. Everything else is spread over the
-# workers test by test.
+# servers) on the default inference port. A local run holds its port from the start
+# (primerl.launchers.HeldPort), but the one-node Slurm's jobs only pick theirs (srun's steps
+# cannot be handed a socket), so a run holding the port meanwhile would take it from them;
+# and they all load the machine's two cores. The multi-node Slurm tests start clusters of
+# network namespaces. Everything else is spread over the workers test by test.
 SERIAL_GROUPS = {
     "local-runs": ("tests/e2e/", "tests/envs/test_verifiers.py", "tests/envs/test_verifiers_v1.py",
                    "tests/inference/test_echo.py", "tests/inference/test_pd.py", "tests/inference/test_vllm",

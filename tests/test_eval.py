@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -83,36 +84,33 @@ def test_eval_of_a_run_scores_its_checkpoint(tmp_path):
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_a_port_another_server_answers_on_is_refused_not_scored(monkeypatch):
-    """The port the evaluation picked is taken before its own server binds it (a run on the
-    same machine finishing its model load): the other server answers /health, and the
-    evaluation must stop rather than score that server's model."""
-    import http.server
-    import threading
+@pytest.mark.slow
+def test_the_port_of_the_evaluations_server_is_its_own_from_the_pick(tmp_path):
+    """Between picking a port and its server listening the model loads; a run on the same
+    machine picking the same port meanwhile would answer /health in its place and have its
+    model scored. The port is bound from the pick and the server is handed the socket."""
+    import socket
 
-    import primerl.launchers
+    import httpx
+
     from primerl.config import ConfigSources, load_config
-    from primerl.errors import PrimerlError
-    from primerl.eval_command import EvalRequest, evaluate
+    from primerl.eval_command import Server
 
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps({"status": "ok", "policy_version": 0}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    other = http.server.HTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
+    cfg = load_config(ConfigSources(), {"model.name": "glm5", "env.name": "reverse-text",
+                                        "inference.max_model_len": 256})
+    server = Server(cfg, tmp_path)
     try:
-        monkeypatch.setattr(primerl.launchers, "pick_ports", lambda host, first, n: [other.server_port])
-        cfg = load_config(ConfigSources(), {"model.name": "glm5", "env.name": "reverse-text"})
-        with pytest.raises(PrimerlError, match=f"another process answers on port {other.server_port}"):
-            evaluate(cfg, EvalRequest(tasks=2), say=lambda _m: None)
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind((cfg.inference.host, server.port))
+        deadline = time.time() + 120
+        while True:
+            assert server.failure() is None, server.log.read_text()
+            try:
+                if httpx.get(server.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.3)
     finally:
-        other.shutdown()
+        server.stop()

@@ -86,16 +86,19 @@ class Server:
     def __init__(self, cfg: RunConfig, scratch: Path) -> None:
         from primerl.children import own_group_and_die_with_parent
         from primerl.inference import server_url
-        from primerl.launchers import pick_ports
+        from primerl.launchers import hold_ports
 
-        self.port = pick_ports(cfg.inference.host, cfg.inference.port, 1)[0]
+        # the port is bound from here on and the server handed its socket: no run on this
+        # machine can take it while the server loads its model (and answer in its place)
+        self.held = hold_ports(cfg.inference.host, cfg.inference.port, 1)[0]
+        self.port = self.held.port
         self.url = server_url(cfg.inference.host, self.port)
         self.log = scratch / "inference.log"
         cmd = [sys.executable, "-m", "primerl.cli", "inference", "@", str(scratch_config(cfg, scratch)),
-               "--inference.port", str(self.port)]
+               "--inference.port", str(self.port), "--inference.listen_fd", str(self.held.fd)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, pass_fds=(self.held.fd,),
                                          preexec_fn=own_group_and_die_with_parent)
 
     def failure(self) -> str | None:
@@ -104,30 +107,6 @@ class Server:
             return None
         lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
         return f"the inference server exited with code {self.proc.returncode}: {lines[-1] if lines else '(no output)'}"
-
-    def answers_itself(self) -> bool:
-        """Whether the process listening on the port is this server (or one it started): another
-        server may hold the port, picked free a moment before ours tried to bind it (a run on
-        the same machine loading its model), and answer /health in its place. True where
-        /proc cannot tell (not Linux)."""
-        try:
-            inodes = set()
-            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-                for line in Path(table).read_text().splitlines()[1:]:
-                    f = line.split()
-                    if int(f[1].rsplit(":", 1)[1], 16) == self.port and f[3] == "0A":  # LISTEN
-                        inodes.add(f[9])
-        except OSError:
-            return True
-        ours = [self.proc.pid, *_descendants(self.proc.pid)]
-        for pid in ours:
-            try:
-                links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-            except OSError:
-                continue
-            if any(f"socket:[{i}]" in links for i in inodes):
-                return True
-        return False
 
     def stop(self) -> None:
         import signal
@@ -141,32 +120,11 @@ class Server:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc; empty where it cannot be read)."""
-    children: dict[int, list[int]] = {}
-    try:
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                children.setdefault(ppid, []).append(int(entry))
-    except OSError:
-        return []
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+        self.held.close()
 
 
 async def _wait_up(client: Any, server: Server | None, deadline_s: float = 900.0) -> None:
-    """Until the servers answer ``/health``; a server that exits first is named with its cause,
-    and one whose port another process answers on is refused (it would score that one's model)."""
+    """Until the servers answer ``/health``; a server that exits first is named with its cause."""
     waiting = asyncio.create_task(client.wait_ready(deadline_s))
     while not waiting.done():
         if server is not None and (why := server.failure()):
@@ -174,10 +132,6 @@ async def _wait_up(client: Any, server: Server | None, deadline_s: float = 900.0
             raise PrimerlError(f"{why} (log: {server.log})")
         await asyncio.sleep(0.2)
     waiting.result()
-    if server is not None and not server.answers_itself():
-        raise PrimerlError(f"another process answers on port {server.port}, which the evaluation's inference server "
-                           f"was to bind (a run on this machine took it meanwhile): run again, or give a free "
-                           f"--inference.port")
 
 
 def evaluate(cfg: RunConfig, request: EvalRequest, *, on_task: Callable[[TaskScore], None] | None = None,

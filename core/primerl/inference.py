@@ -27,6 +27,8 @@ import attrs
 from primerl.validators import non_negative, positive
 
 if TYPE_CHECKING:  # pragma: no cover
+    import socket
+
     from primerl.config import RunConfig
 
 __all__ = [
@@ -35,7 +37,8 @@ __all__ = [
     "InferenceBackendCapabilities",
     "Servers",
     "WeightSender",
-    "check_port_free",
+    "listening",
+    "server_socket",
     "inference_urls",
     "pd_urls",
     "server_url",
@@ -49,7 +52,8 @@ class InferenceConfig:
 
     # the keys (fnmatch patterns) that may differ when a run continues (primerl.resume):
     # where the servers are, not what they compute; a backend's Config adds its own
-    may_change_on_resume: ClassVar[tuple[str, ...]] = ("host", "*port", "*urls", "api_key", "*replicas", "role")
+    may_change_on_resume: ClassVar[tuple[str, ...]] = ("host", "*port", "*urls", "api_key", "*replicas", "role",
+                                                       "listen_fd")
 
     # the inference backend plugin (register_inference_backends): "embedded" (primerl's own
     # engine, CPU or GPU) or "vllm" (its own keys: docs/vllm.md)
@@ -60,9 +64,14 @@ class InferenceConfig:
     # e.g. [inference.router_options] policy = "consistent_hash"
     router_options: dict[str, Any] = attrs.field(factory=dict)
     host: str = "127.0.0.1"  # address the inference server listens on and the orchestrator calls
-    # the server's HTTP port (OpenAI API + admin); 0, or a port in use, makes the local
-    # launcher pick a free one
+    # the server's HTTP port (OpenAI API + admin); 0, or a port in use (another run's
+    # included), makes the local launcher pick a free one
     port: int = attrs.field(default=8000, validator=non_negative)
+    # a socket this server inherited, bound to host:port, to listen on (the local launcher binds
+    # each server's port for the whole run and hands it down, so that no other process, another
+    # run on the machine included, takes it before the server listens or while it restarts);
+    # None: the server binds host:port itself
+    listen_fd: int | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative))
     # inference servers (replicas of the same policy) the launcher starts; the orchestrator
     # spreads requests over them through the router, re-sends a dead one's requests to
     # another, and readmits it with the current weights when its /health answers again
@@ -188,22 +197,56 @@ class WeightSender(Protocol):
     def close(self) -> None: ...
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Fail at once, in one line, when ``host:port`` is taken: a server would otherwise find
-    out only after building its model (tens of seconds), from uvicorn's bare errno."""
+def server_socket(inf: InferenceConfig) -> socket.socket:
+    """The socket this server will listen on, bound before its model is built (tens of
+    seconds): a port in use fails at once, in one line, rather than later from uvicorn's bare
+    errno, and no process takes the port meanwhile. With ``listen_fd``, the socket a launcher
+    bound and handed down (checked to be a TCP socket bound to ``port``)."""
     import socket
 
     from primerl.errors import PrimerlError
 
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if inf.listen_fd is not None:
         try:
-            s.bind((host, port))
+            sock = socket.socket(fileno=inf.listen_fd)
         except OSError as exc:
-            raise PrimerlError(f"inference.port {port} on {host} cannot be used ({exc.strerror}): another process "
-                               f"holds it; choose another --inference.port (or 0 for a free one)") from None
+            raise PrimerlError(f"inference.listen_fd {inf.listen_fd} is not a socket this process inherited "
+                               f"({exc.strerror}): leave it unset, and the server binds inference.port itself") from None
+        bound = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+        if sock.type != socket.SOCK_STREAM or bound is None or (inf.port and bound != inf.port):
+            raise PrimerlError(f"inference.listen_fd {inf.listen_fd} is not a TCP socket bound to inference.port "
+                               f"{inf.port} (bound to: {bound}): leave it unset, and the server binds the port itself")
+        sock.set_inheritable(False)  # this server's own children (vLLM) do not hold the port
+        return sock
+    sock = socket.socket(socket.AF_INET6 if ":" in inf.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT is no obstacle
+    try:
+        sock.bind((inf.host.strip("[]"), inf.port))
+    except OSError as exc:
+        sock.close()
+        raise PrimerlError(f"inference.port {inf.port} on {inf.host} cannot be used ({exc.strerror}): another process "
+                           f"holds it; choose another --inference.port (or 0 for a free one)") from None
+    return sock
+
+
+def listening(sock: socket.socket, inf: InferenceConfig) -> socket.socket:
+    """``sock`` (from :func:`server_socket`) listening, for uvicorn to serve on
+    (``uvicorn.Server.run(sockets=[...])``), with ``SO_REUSEADDR`` as uvicorn sets it: the
+    connections it closes, waiting out TIME_WAIT, do not keep the port from the server's next
+    start. Another process that bound the port with ``SO_REUSEADDR`` too and listened first
+    fails here in one line."""
+    import socket
+
+    from primerl.errors import PrimerlError
+
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.listen(2048)
+    except OSError as exc:
+        raise PrimerlError(f"inference.port {sock.getsockname()[1]} on {inf.host} cannot be used ({exc.strerror}): "
+                           f"another process listens on it; choose another --inference.port (or 0 for a free "
+                           f"one)") from None
+    return sock
 
 
 # ---- where the servers are: one place -------------------------------------------------------

@@ -69,8 +69,8 @@ class Launcher(Protocol):
         A user error found before anything starts raises :class:`primerl.errors.PrimerlError`."""
 
 
-__all__ = ["Launcher", "LauncherCapabilities", "LauncherConfig", "inference_names", "inference_roles", "process_command",
-           "pick_ports"]
+__all__ = ["HeldPort", "Launcher", "LauncherCapabilities", "LauncherConfig", "hold_ports", "inference_names",
+           "inference_roles", "process_command", "pick_ports"]
 
 
 # -- what launchers share ------------------------------------------------------------------
@@ -100,6 +100,70 @@ def pick_ports(host: str, first: int, n: int) -> list[int]:
             port = _free_port(host)
         ports.append(port)
     return ports
+
+
+def _bound_socket(host: str, port: int, *, reuse: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening), which no other socket can bind
+    (not even with ``SO_REUSEADDR``); OSError where it cannot be. ``reuse``: past the
+    connections a server that just exited closed on the port (in TIME_WAIT, which a server
+    listening with ``SO_REUSEADDR`` lets be bound past)."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
+        s.bind((host.strip("[]"), port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)  # bound: now no one else's
+    except (OSError, OverflowError) as exc:
+        s.close()
+        raise OSError(str(exc)) from None
+    return s
+
+
+class HeldPort:
+    """An inference server's port, bound by its launcher for the whole run and handed to each
+    start of the server (``--inference.listen_fd``, :func:`primerl.inference.server_socket`).
+    Between a launcher finding a port free and its server listening there are seconds (the
+    server's interpreter, its model); another run on the machine that picked the same port
+    meanwhile would fail to bind it. A held port cannot be picked: it is bound the whole time."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.sock = _bound_socket(host, port)
+        self.port: int = self.sock.getsockname()[1]
+
+    @property
+    def fd(self) -> int:
+        """The descriptor a server is handed (``subprocess.Popen(pass_fds=...)``)."""
+        return self.sock.fileno()
+
+    def renew(self) -> None:
+        """After its server exited: the socket it listened on (the same one) is closed, so that
+        connections are refused rather than queued for a server that is gone, and the port is
+        bound again for the next start (past the connections the server closed, which wait
+        out TIME_WAIT on it). OSError: another process bound it in between."""
+        self.sock.close()
+        self.sock = _bound_socket(self.host, self.port, reuse=True)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def hold_ports(host: str, first: int, n: int) -> list[HeldPort]:
+    """``n`` ports held for servers (:class:`HeldPort`): ``first + i`` where free (``first``
+    0: any), else a free one."""
+    held: list[HeldPort] = []
+    try:
+        for i in range(n):
+            try:
+                held.append(HeldPort(host, first + i if first else 0))
+            except OSError:
+                if not first:
+                    raise
+                held.append(HeldPort(host, 0))
+    except OSError:
+        for h in held:
+            h.close()
+        raise
+    return held
 
 
 def inference_names(cfg: RunConfig) -> list[str]:

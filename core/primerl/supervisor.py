@@ -15,7 +15,9 @@ started (a :class:`Child` each); everything after that is here, once:
   (the orchestrator readmits it with the current weights once its ``/health`` answers),
   except when it exited on a config error (code 2: it would again) or was stopped on purpose
   (SIGINT, SIGTERM); one that exits for good leaves the run to the others, and when none is
-  left the run fails;
+  left the run fails. A server whose port its launcher holds (:attr:`Child.held`) is handed
+  the held socket at each start; when it exits the socket is bound afresh, so that clients
+  are refused, not queued, until the next start;
 * **stalls**: the :class:`primerl.watchdog.Watchdog` reads every process's beacon; a run
   that makes no progress for ``watchdog.stall_timeout_s`` is reported (each process's waits
   and stacks in ``logs/watchdog.log``, the stuck stage in one line) and, with
@@ -45,6 +47,7 @@ from typing import Any, Protocol
 import attrs
 
 from primerl.children import own_group_and_die_with_parent
+from primerl.launchers import HeldPort
 from primerl.watchdog import BeaconRecord, Watchdog, clear_beacons, same_host
 
 __all__ = ["Child", "Duty", "Outcome", "Reporter", "Supervisor", "STALLED", "GRACE_SECONDS", "tail"]
@@ -82,6 +85,9 @@ class Child:
     # a service (Duty.SUPPORTS): whether it serves yet; the other processes start once every
     # service says so (None: as soon as it is started)
     ready: Callable[[], bool] | None = attrs.field(default=None, eq=False)
+    # an inference server's port its launcher holds (primerl.launchers.HeldPort): each start
+    # is handed its socket (--inference.listen_fd); None: the server binds its port itself
+    held: HeldPort | None = attrs.field(default=None, eq=False)
 
     def describe(self) -> str:
         return f"the {self.name} process" + (f" on {self.node}" if self.node else "")
@@ -249,7 +255,16 @@ class Supervisor:
         serving = sum(self.procs[n].poll() is None for n in servers)
         limit = self.cfg.inference.max_restarts
         name = child.name
-        if serving and self.restarts[name] < limit and rc not in (CONFIG_ERROR, *STOPPED_ON_PURPOSE):
+        restart = serving and self.restarts[name] < limit and rc not in (CONFIG_ERROR, *STOPPED_ON_PURPOSE)
+        if child.held is not None:
+            try:
+                child.held.renew()  # its listening socket closed: connections are refused until it restarts
+            except OSError as exc:
+                if restart:
+                    self.reporter.note(f"warning: {child.describe()} cannot be restarted: port {child.held.port} was "
+                                       f"taken by another process after it exited ({exc})")
+                restart = False
+        if restart:
             self.restarts[name] += 1
             with open(child.log, "a") as log:
                 log.write(f"[primerl] the server exited with code {rc}; restarting it ({self.restarts[name]} of "
@@ -274,9 +289,13 @@ class Supervisor:
     def _start(self, name: str, mode: str = "w") -> None:
         child = self.children[name]
         child.log.parent.mkdir(parents=True, exist_ok=True)
+        command, fds = list(child.command), ()
+        if child.held is not None:  # the socket of the port its launcher holds
+            command += ["--inference.listen_fd", str(child.held.fd)]
+            fds = (child.held.fd,)
         with open(child.log, mode) as log:  # the child keeps its own descriptor
             self.procs[name] = subprocess.Popen(
-                list(child.command), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=fds,
                 env=dict(child.env) if child.env else None, preexec_fn=own_group_and_die_with_parent)
 
     def stop_all(self) -> None:

@@ -397,3 +397,20 @@ def test_two_sources_train_together_by_ratio_with_their_own_metrics_and_evaluati
     assert all(0 <= row["reward/reverse/mean"] <= 1 and 0 <= row["reward/wordle/mean"] <= 1 for row in rows)
     assert any("eval/wordle/reward/mean" in row for row in rows[1:])  # after batch 1 (and 2), with a later batch
     assert "reward 0." in r.stdout and "(reverse 0." in r.stdout  # the live view shows each source's reward
+
+
+def test_two_runs_started_together_on_one_machine_each_hold_a_port_of_their_own(tmp_path):
+    """Both ask for the default inference.port: the first to hold it keeps it for the whole run,
+    the other holds a free one. (Found free and bound seconds later, the same port went to
+    both, and one run's server failed to bind.)"""
+    from primerl.runtime import read_runtime
+
+    outs = [tmp_path / "a", tmp_path / "b"]
+    procs = [subprocess.Popen([sys.executable, "-m", "primerl.cli", "run", "--model", "glm5", "--env", "reverse-text",
+                               *SMALL, "--max-steps", "1", "--output-dir", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for out in outs]
+    ends = [p.communicate(timeout=600) for p in procs]
+    for p, (stdout, stderr) in zip(procs, ends):
+        assert p.returncode == 0, stdout + stderr
+    urls = [read_runtime(out).inference_urls for out in outs]
+    assert len(set(urls)) == 2 and all(len(u) == 1 for u in urls), urls

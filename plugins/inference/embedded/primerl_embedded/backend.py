@@ -79,10 +79,10 @@ class EmbeddedBackend:
         import torch
         import uvicorn
 
-        from primerl.inference import check_port_free
+        from primerl.inference import listening, server_socket
         from primerl_embedded.server import create_app
 
-        check_port_free(cfg.inference.host, cfg.inference.port)  # before the model is built
+        sock = server_socket(cfg.inference)  # bound before the model is built
         torch.set_grad_enabled(False)  # this process only serves
         engine, tokenizer, adapter = self.build(cfg)
         engine.start()
@@ -93,6 +93,8 @@ class EmbeddedBackend:
         app = create_app(engine, tokenizer, cfg.model.name, load_weights=self.weight_loader(engine, adapter),
                          api_key=cfg.inference.resolved_api_key())
         try:
-            uvicorn.run(app, host=cfg.inference.host, port=cfg.inference.port, log_level="warning")
+            web = uvicorn.Server(uvicorn.Config(app, host=cfg.inference.host, port=cfg.inference.port,
+                                                log_level="warning"))
+            web.run(sockets=[listening(sock, cfg.inference)])
         finally:
             engine.stop()

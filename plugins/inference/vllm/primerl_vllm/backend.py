@@ -72,14 +72,14 @@ class VllmBackend:
         import httpx
         import uvicorn
 
-        from primerl.inference import check_port_free
+        from primerl.inference import listening, server_socket, server_url
         from primerl.registry import get_registry
         from primerl_vllm._site.sitecustomize import probe
         from primerl_vllm.launch import VllmServer, free_port, vllm_command, vllm_env
         from primerl_vllm.proxy import Proxy, create_app
 
         inf = cfg.inference
-        check_port_free(inf.host, inf.port)  # before vLLM spends a minute starting
+        sock = server_socket(inf)  # bound before vLLM spends a minute starting
         if not isinstance(inf, VllmConfig):  # a config built without load_config
             raise PrimerlError("the vllm backend needs its [inference] section validated by VllmConfig "
                                "(run through primerl's CLI or primerl.config.load_config)")
@@ -117,7 +117,7 @@ class VllmBackend:
                                    "the vllm backend needs vLLM >= 0.32 with VLLM_SERVER_DEV_MODE=1")
             if not inf.routed_experts_on(cfg) and (cfg.trainer.routing_metrics or cfg.trainer.router_replay):
                 log("routed experts are not returned by vLLM here: routing metrics are off for this run")
-            log(f"vLLM ready after {seconds:.0f}s; primerl API on http://{inf.host}:{inf.port}")
+            log(f"vLLM ready after {seconds:.0f}s; primerl API on {server_url(inf.host, sock.getsockname()[1])}")
             proxy = Proxy(server.url, adapter.tokenizer(cfg.model), cfg.model.name, max_model_len=inf.max_model_len,
                           served_config=served_config, moe_layout=adapter.moe_layout(cfg.model),
                           nccl=cfg.trainer.weight_channel == "nccl")
@@ -125,7 +125,8 @@ class VllmBackend:
 
             watchdog.add_progress_source(lambda: proxy.answered)
             watchdog.doing("serving (vLLM at " + server.url + ")")
-            web = uvicorn.Server(uvicorn.Config(create_app(proxy, api_key=inf.resolved_api_key()), host=inf.host, port=inf.port, log_level="warning"))
+            web = uvicorn.Server(uvicorn.Config(create_app(proxy, api_key=inf.resolved_api_key()), host=inf.host,
+                                                port=inf.port, log_level="warning"))
 
             def watch() -> None:  # vLLM gone: stop serving, so the launcher sees this process end
                 while not web.should_exit:
@@ -135,7 +136,7 @@ class VllmBackend:
                     time.sleep(1.0)
 
             threading.Thread(target=watch, name="vllm-watch", daemon=True).start()
-            web.run()
+            web.run(sockets=[listening(sock, inf)])
             if not server.alive():
                 raise PrimerlError(server.failure("vLLM exited while serving"))
         finally:

@@ -11,7 +11,10 @@ is refused (a finished run, another config).
 
 Replicas: ``inference.replicas`` N > 1 starts N inference servers, ``inference-<i>``
 (logs ``logs/inference-<i>.log``), each ``primerl inference @ config.toml
---inference.port P`` on its own port: ``inference.port + i`` when free, else a free one.
+--inference.port P`` on its own port: ``inference.port + i`` when free, else a free one. The
+launcher binds each server's port before anything starts and holds it for the whole run,
+handing the socket to each start of the server (``--inference.listen_fd``): two runs on one
+machine never pick the same port, and a restarting server finds its port still there.
 The URLs of the ports picked go into the run-time record (``OUT/runtime.json``,
 :mod:`primerl.runtime`), which is where the orchestrator and the trainer find the servers. The orchestrator survives a server that
 dies (its requests are re-sent to the others), so one inference process exiting is shown
@@ -56,7 +59,7 @@ from primerl.errors import PrimerlError
 from primerl.inference import server_url
 from primerl.kv_service import start_run_service
 from primerl.kv_stores import ServiceSite
-from primerl.launchers import LauncherConfig, inference_names, inference_roles, pick_ports, process_command
+from primerl.launchers import HeldPort, LauncherConfig, hold_ports, inference_names, inference_roles, process_command
 from primerl.resume import prepare_run
 from primerl.rundir import RunDir
 from primerl.runtime import RunTime
@@ -104,17 +107,17 @@ def child_env(name: str, cfg: RunConfig, env: dict[str, str]) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 
-def children(cfg: RunConfig, run_dir: RunDir, ports: list[int]) -> list[Child]:
-    """The run's processes on this machine: the inference servers (each on its port), the
-    orchestrator and the trainer, each with its share of the cores."""
+def children(cfg: RunConfig, run_dir: RunDir, held: list[HeldPort]) -> list[Child]:
+    """The run's processes on this machine: the inference servers (each handed the socket of
+    the port held for it), the orchestrator and the trainer, each with its share of the cores."""
     threads = os.environ.get("PRIMERL_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, "PYTHONUNBUFFERED": "1"}
-    placed = [(name, "inference", port, role)
-              for name, port, role in zip(inference_names(cfg), ports, inference_roles(cfg))]
+    placed: list[tuple[str, str, HeldPort | None, str | None]] = [
+        (name, "inference", port, role) for name, port, role in zip(inference_names(cfg), held, inference_roles(cfg))]
     placed += [(kind, kind, None, None) for kind in CHILDREN if kind != "inference"]
-    return [Child(name=name, duty=DUTIES[kind], command=tuple(child_command(kind, cfg, run_dir, port, role)),
-                  log=run_dir.log(name), env=child_env(kind, cfg, env),
-                  beacon=f"inference:{port}" if kind == "inference" else kind)
+    return [Child(name=name, duty=DUTIES[kind], log=run_dir.log(name), env=child_env(kind, cfg, env), held=port,
+                  command=tuple(child_command(kind, cfg, run_dir, port.port if port else None, role)),
+                  beacon=f"inference:{port.port}" if port else kind)
             for name, kind, port, role in placed]
 
 
@@ -154,7 +157,12 @@ class LocalLauncher:
             key, port = next(iter(fixed.items()))
             raise PrimerlError(f"{key} ({port}) fixes a port of each inference server, which {len(names)} servers on "
                                f"this machine cannot share: leave it 0 (a free port each)")
-        ports = pick_ports(cfg.inference.host, cfg.inference.port, len(names))
+        try:
+            held = hold_ports(cfg.inference.host, cfg.inference.port, len(names))
+        except OSError as exc:
+            raise PrimerlError(f"inference.host {cfg.inference.host!r}: no port can be bound there ({exc}); "
+                               f"give an address of this machine (127.0.0.1)") from None
+        ports = [h.port for h in held]
         cfg.output_dir = str(run_dir.root)
         run_dir.config.write_text(dump_toml(to_dict(cfg)))
         service = None
@@ -162,7 +170,7 @@ class LocalLauncher:
             service = start_run_service(cfg, ServiceSite(run_dir=run_dir))  # what the KV store declares
             run_time(cfg, ports, service.options() if service is not None else {}).write(run_dir)
             view = LiveView(cfg, run_dir)
-            supervisor = Supervisor(cfg, run_dir, children(cfg, run_dir, ports), _View(view),
+            supervisor = Supervisor(cfg, run_dir, children(cfg, run_dir, held), _View(view),
                                     urls=lambda: [server_url(cfg.inference.host, p) for p in ports])
             with view:
                 outcome = supervisor.run()
@@ -170,6 +178,8 @@ class LocalLauncher:
         finally:
             if service is not None:
                 service.stop()
+            for h in held:
+                h.close()
         return self._report(cfg, run_dir, outcome)
 
     @staticmethod
