@@ -178,6 +178,32 @@ def test_two_nodes_a_lost_node_ends_the_run_naming_it_and_the_same_command_resum
     assert nothing_of(out) == []
 
 
+@pytest.mark.parametrize("cluster", [(2, 10)], indirect=True)
+def test_with_requeue_a_lost_node_is_named_and_slurm_runs_the_job_again_to_its_end(cluster, tmp_path):
+    """``--launcher.requeue true``: Slurm requeues the job when node 1 is lost; the node is
+    back in service as soon as Slurm has it down (before primerl's next look, as after a
+    quick reboot), and the warning still names it; the requeued job resumes from the
+    checkpoint and runs to the end, and the one command ends 0."""
+    c, out = cluster, tmp_path / "run"
+    proc = start(c, out, "--launcher.nodes", "2", "--max-steps", "12", "--trainer.checkpoint_every", "2",
+                 "--launcher.requeue", "true")
+    wait_for_steps(out, proc, 5)
+    c.kill_node(1)
+    deadline = time.time() + 120
+    while not c.sinfo().get(c.names[1], "").startswith("down"):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"Slurm never set {c.names[1]} down: {c.sinfo()}"
+        time.sleep(0.2)
+    c.start_node(1)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout + stderr
+    said = re.sub(r"\s", "", stdout + stderr)  # the live view wraps its lines, mid-word too
+    assert said.count("Slurmrequeuedthejob") == 1, stdout + stderr
+    assert re.search(rf"warning:Slurmjob\d+lostnode{re.escape(c.names[1])}\(NODE_FAIL", said), stdout + stderr
+    assert [row["step"] for row in steps(out)] == list(range(1, 13))
+    assert nothing_of(out) == []
+
+
 @pytest.mark.parametrize("cluster", [(3, 30)], indirect=True)
 def test_three_nodes_the_trainer_spans_two_of_them(cluster, tmp_path, one_node_row):
     c, out = cluster, tmp_path / "run"

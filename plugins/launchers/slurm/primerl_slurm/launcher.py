@@ -170,7 +170,7 @@ class SlurmLauncher:
                       extra=(("job scripts", run_dir.root / "slurm"),))
             return 0
         if final.state == "NODE_FAIL":
-            print(f"\nerror: {_node_lost(run_dir, job, follower.lost_nodes())}", file=sys.stderr)
+            print(f"\nerror: {_node_lost(run_dir, job, follower.lost())}", file=sys.stderr)
             return 1
         role, message = status.get("role"), status.get("message", "")
         if role == "watchdog":
@@ -260,6 +260,9 @@ class Follower:
         self.last_poll, self.unreachable_since = 0.0, None
         self.shown: tuple[str, str] | None = None
         self.nodes = ""  # where it ran last
+        # its nodes Slurm had down or not responding at the last look while it ran: a lost
+        # node is named even when it is back in service by the time the job is seen requeued
+        self.unanswering: list[str] = []
         self.lost_track = False
         self.log_offset = 0
 
@@ -278,14 +281,20 @@ class Follower:
         shown = (state.state, state.reason if state.state == "PENDING" else "")
         if shown != self.shown:
             if state.state == "PENDING" and self.shown and self.shown[0] in ("RUNNING", "COMPLETING"):
-                self.view.note(f"warning: {_node_lost(self.run_dir, self.job, self.lost_nodes(), requeued=True)}")
+                self.view.note(f"warning: {_node_lost(self.run_dir, self.job, self.lost(), requeued=True)}")
             self.shown = shown
             where = f" on {state.nodes}" if state.state == "RUNNING" and state.nodes else ""
             why = f" ({state.reason})" if shown[1] and shown[1] != "None" else ""
             self.view.note(f"Slurm job {self.job}: {state.state}{where}{why}")
         if state.state == "RUNNING" and state.nodes:
             self.nodes = state.nodes
+            self.unanswering = self.lost_nodes()
         return state.state in FINAL
+
+    def lost(self) -> list[str]:
+        """The job's lost nodes: those Slurm has down now, else those that did not answer
+        Slurm at the last look while the job ran (back in service since)."""
+        return self.lost_nodes() or self.unanswering
 
     def lost_nodes(self) -> list[str]:
         """The nodes the job ran on that Slurm now has down or not responding."""
