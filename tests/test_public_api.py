@@ -2,7 +2,7 @@
 
 Read from the source with ``ast``: every ``import`` and ``from ... import`` of a core module in
 a built-in plugin's ``.py`` files (and the examples') names a public module, and every name it takes from one (or
-reads off one imported whole, ``inference.check_port_free``) is in that module's ``__all__``.
+reads off one imported whole, ``inference.server_socket``) is in that module's ``__all__``.
 Every public module declares ``__all__``, and ``docs/plugins.md`` names every public module.
 """
 

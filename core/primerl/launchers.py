@@ -76,32 +76,6 @@ __all__ = ["HeldPort", "Launcher", "LauncherCapabilities", "LauncherConfig", "ho
 # -- what launchers share ------------------------------------------------------------------
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except (OSError, OverflowError):
-            return False
-
-
-def pick_ports(host: str, first: int, n: int) -> list[int]:
-    """``n`` distinct free ports: ``first + i`` where free (``first`` 0: any), else a free one."""
-    ports: list[int] = []
-    for i in range(n):
-        port = first + i if first else 0
-        while port == 0 or port in ports or not _port_free(host, port):
-            port = _free_port(host)
-        ports.append(port)
-    return ports
-
-
 def _bound_socket(host: str, port: int, *, reuse: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not listening), which no other socket can bind
     (not even with ``SO_REUSEADDR``); OSError where it cannot be. ``reuse``: past the
@@ -164,6 +138,16 @@ def hold_ports(host: str, first: int, n: int) -> list[HeldPort]:
             h.close()
         raise
     return held
+
+
+def pick_ports(host: str, first: int, n: int) -> list[int]:
+    """``n`` distinct free ports, picked as :func:`hold_ports` picks them and let go at once:
+    for servers a launcher cannot hand a socket (a Slurm job's ``srun`` steps), which bind
+    the port themselves."""
+    held = hold_ports(host, first, n)
+    for h in held:
+        h.close()
+    return [h.port for h in held]
 
 
 def inference_names(cfg: RunConfig) -> list[str]:
