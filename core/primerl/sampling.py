@@ -45,7 +45,10 @@ def sample(
     """
     scaled = scale(logits, temperature)  # [B, V]
     logp = torch.log_softmax(scaled, dim=-1)
-    masked = scaled.clone()
+    greedy = scaled.argmax(-1)
+    if not bool((temperature > 0).any()):  # every row greedy: top-k and top-p change nothing
+        return greedy, logp.gather(-1, greedy[:, None]).squeeze(-1), logp
+    masked = scaled  # restricted out of place below
     vocab = logits.shape[-1]
     if bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
@@ -58,9 +61,6 @@ def sample(
         drop_sorted = before > top_p[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         masked = masked.masked_fill(drop, float("-inf"))
-    greedy = scaled.argmax(-1)
-    if not bool((temperature > 0).any()):
-        return greedy, logp.gather(-1, greedy[:, None]).squeeze(-1), logp
     # Gumbel-max via exponential noise: argmax(p / q), q ~ Exp(1), is a draw from p. The
     # noise is -log(u), u ~ U[0, 1): the same distribution as ``exponential_``, a quarter
     # of its cost on the CPU (u = 0 gives q = inf, a token that cannot win: p = 2^-24 each).

@@ -182,6 +182,7 @@ class Batch:
     # attention is exact for valid queries (SDPA's is_causal, no mask tensor to read)
     causal: bool = False
     slot_range: tuple[int, int] | None = None  # slots are start..stop-1 in order: cache rows are read in place
+    one_token_rows: bool = False  # every row one valid new token (a decode step): write_at's (b, i) is (all, 0)
     # context parallel (no cache): this rank's [B, S, *D] -> the whole rows' [B, T, *D] in
     # global token order, differentiably (see RowShard); ``visible`` is then [B, S, T]
     gather_keys: Callable[[Tensor], Tensor] | None = None
@@ -216,7 +217,7 @@ class Batch:
             return new if self.gather_keys is None else self.gather_keys(new)
         store = self.cache.per_token[layer][name]
         b, i, slot, pos = self.write_at
-        store[slot, pos] = new[b, i].to(store.dtype)
+        store[slot, pos] = (new[:, 0] if self.one_token_rows else new[b, i]).to(store.dtype)
         T = self.visible.shape[-1]  # every row reads positions 0..T-1 of its slot
         return self.slot_rows(store[:, :T]).to(new.dtype)
 
@@ -315,9 +316,10 @@ def make_batch(positions: Tensor, lengths: Tensor, segment_ids: Tensor | None, c
         b_idx, i_idx = valid.nonzero(as_tuple=True)
         write_at = (b_idx, i_idx, slots[b_idx], past_lens[b_idx] + i_idx)
         batch = Batch(positions, lengths, valid, visible, None, cache, slots, past_lens, write_at,
-                      slot_range=slot_range)
+                      slot_range=slot_range, one_token_rows=S == 1 and len(b_idx) == B)
     # Padding queries look at key 0 only: finite outputs, no all-masked softmax rows.
-    batch.visible = torch.where(valid[:, :, None], batch.visible, j[None, None, :] == 0)
+    if not batch.one_token_rows:  # (a decode step of valid rows has none)
+        batch.visible = torch.where(valid[:, :, None], batch.visible, j[None, None, :] == 0)
     return batch
 
 

@@ -160,13 +160,14 @@ class Experts(nn.Module):
 # average) at most DENSE_EXPERTS_MAX_TOKENS (see Experts._dense; measured on CPU: the
 # sparse loop wins from about 64 tokens per expert, 2.2x faster forward + backward at 256).
 # Without autograd, where the grouped GEMM replaces the loop, at most
-# DENSE_GROUPED_MAX_TOKENS instead (measured on CPU, 8 experts, top-2: dense 141 us vs
-# grouped 173 us at 4 tokens per expert, 342 vs 247 at 16, 1843 vs 626 at 64): decode
+# DENSE_GROUPED_MAX_TOKENS instead (measured on CPU, 8 experts, top-2, hidden 128, both
+# cores: dense 140 us vs grouped 207 us at 8 tokens per expert, 198 vs 238 at 16, 281 vs
+# 291 at 24, 305 vs 319 at 32; the grouped GEMM runs one small GEMM per expert): decode
 # steps of a full batch. With autograd the rule is the same for every subclass (FP8
 # training computes the loop's GEMMs itself and makes the same choice).
 DENSE_EXPERTS_MAX_RATIO = 8
 DENSE_EXPERTS_MAX_TOKENS = 64
-DENSE_GROUPED_MAX_TOKENS = 8
+DENSE_GROUPED_MAX_TOKENS = 16
 
 # torch's grouped GEMM (``torch._grouped_mm``; forward and backward run on the CPU in torch 2.13):
 # Experts.forward uses it on the CPU instead of a loop over experts (Experts._grouped).

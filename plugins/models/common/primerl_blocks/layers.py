@@ -34,6 +34,7 @@ __all__ = [
     "RMSNorm",
     "init_normal_",
     "llama3_inv_freq",
+    "partial_rotation",
     "rope_angles",
     "rope_halves",
     "rope_interleaved",
@@ -126,12 +127,29 @@ def rope_interleaved(x: Tensor, rot: Tensor) -> Tensor:
     q.k is the same sum in another order; keeping the layout spares a copy per call.
     """
     # (x0 + i x1) * (cos + i sin) on complex pairs, in float32 (bf16 inputs round once, at the end)
-    pairs = x.float().unflatten(-1, (-1, 2))  # [..., D/2, 2]
+    as_float = x.dtype == torch.float32
+    pairs = (x if as_float else x.float()).unflatten(-1, (-1, 2))  # [..., D/2, 2]
     # view_as_complex needs whole complex numbers in place (traced by torch.compile: always
     # copied, as dynamo cannot read the storage offset)
     if torch.compiler.is_compiling() or pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
         pairs = pairs.contiguous()
-    return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(x.dtype)
+    out = torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2)
+    return out if as_float else out.to(x.dtype)
+
+
+def partial_rotation(extra: dict[str, Any], *, before: int = 0, after: int = 0) -> Tensor:
+    """``extra["rot"]`` ([B, S, rope/2] complex) with ``before`` pairs of exactly 1 ahead of
+    it and ``after`` behind it, [B, S, before + rope/2 + after]: :func:`rope_interleaved`
+    then rotates the rope dims of a wider row (an MLA cache row, latent first; a DSA
+    indexer key, rope first) in one op, the other pairs unchanged bit for bit, with no
+    slicing and concatenating around it. Built once per batch (kept in ``extra``) for
+    every layer that asks."""
+    key = f"rot_partial_{before}_{after}"
+    if key not in extra:
+        rot = extra["rot"]  # [B, S, rope/2]
+        ones = [torch.ones(*rot.shape[:-1], n, dtype=rot.dtype, device=rot.device) for n in (before, after)]
+        extra[key] = torch.cat([ones[0], rot, ones[1]], dim=-1)
+    return extra[key]
 
 
 def rope_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

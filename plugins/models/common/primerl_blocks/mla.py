@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from primerl.models.batch import Batch
 from primerl.models.contract import Mixer
 from primerl.models.tensors import derived, keeps_derived
-from primerl_blocks.layers import RMSNorm, rope_halves, rope_interleaved
+from primerl_blocks.layers import RMSNorm, partial_rotation, rope_halves, rope_interleaved
 
 __all__ = ["MLAttention", "mla_cache_layout"]
 
@@ -193,7 +193,7 @@ class MLAttention(nn.Module):
             q_latent = q_in = self.q_a_layernorm(q_latent)
         q = F.linear(q_in, wq_f).view(B, S, H, r + rope)  # per head: [latent query, rope query]
         if self.interleave:
-            rot = self._latent_rotation(batch)  # [B, S, (kv_lora + rope) / 2]: 1 on the latent pairs
+            rot = partial_rotation(batch.extra, before=r // 2)  # [B, S, (kv_lora + rope) / 2]: 1 on the latent pairs
             q = rope_interleaved(q, rot[:, :, None])
             latent, k_rot = rope_interleaved(kv, rot).split([r, rope], dim=-1)
         else:
@@ -214,17 +214,6 @@ class MLAttention(nn.Module):
         probs = torch.softmax(scores.float(), dim=-1).to(ckv.dtype)
         out = torch.bmm(probs.view(B, S * H, T), ckv[..., :r])  # [B, S * H, kv_lora]
         return F.linear(out.view(B, S, H * r), wo_f, self.o_proj.bias), carry
-
-    def _latent_rotation(self, batch: Batch) -> Tensor:
-        """RoPE's rotation of a cache row's pairs, [B, S, (kv_lora + rope) / 2] complex: 1
-        for the latent's pairs (exactly unchanged), ``batch.extra["rot"]`` for the rope key's;
-        built once per batch for the layers that share it."""
-        key = f"rot_latent_{self.kv_lora_rank}"
-        if key not in batch.extra:
-            rot = batch.extra["rot"]  # [B, S, rope/2]
-            ones = torch.ones(*rot.shape[:-1], self.kv_lora_rank // 2, dtype=rot.dtype, device=rot.device)
-            batch.extra[key] = torch.cat([ones, rot], dim=-1)
-        return batch.extra[key]
 
     def _rope(self, t: Tensor, batch: Batch, *, per_head: bool) -> Tensor:
         """RoPE on the queries ([B, H, S, rope], ``per_head``) or the shared key ([B, S, rope])."""

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 from primerl_blocks.decoder import DecoderLM, PreNormLayer
-from primerl_blocks.layers import MLP, RMSNorm, rope_interleaved, rope_inv_freq, rope_parameters
+from primerl_blocks.layers import MLP, RMSNorm, partial_rotation, rope_interleaved, rope_inv_freq, rope_parameters
 from primerl_blocks.mla import MLAttention, mla_cache_layout
 from primerl_blocks.moe import FP32_SUFFIXES, DeepSeekMoE
 from torch import Tensor, nn
@@ -179,20 +179,21 @@ class Indexer(nn.Module):
     def forward(self, x: Tensor, q_latent: Tensor, batch: Batch, layer: int) -> Tensor:
         """x: [B, S, hidden]; q_latent: [B, S, q_lora_rank]. Returns the DSA mask [B, S, T] bool."""
         B, S, _ = x.shape
-        rot = batch.extra["rot"]  # [B, S, rope/2] complex
-        k = self.k_norm(self.wk(x))  # [B, S, D]
-        k = torch.cat([rope_interleaved(k[..., : self.rope_dim], rot), k[..., self.rope_dim :]], -1)
+        # RoPE on the first rope_dim dims of the keys and queries, the rest unchanged: [B, S, D/2]
+        rot = partial_rotation(batch.extra, after=(self.head_dim - self.rope_dim) // 2)
+        k = rope_interleaved(self.k_norm(self.wk(x)), rot)  # [B, S, D]
         k = batch.keys(k, layer, "index_k")  # [B, T, D], written to the cache even when not scored below
         T = k.shape[1]
         # A query that sees at most topk keys keeps them all: only the queries from the first
         # one that sees more (in any row) on are scored. Exact, and on short sequences (RL
         # prompts and completions below GLM-5's 2048) it skips most or all of the indexer.
-        # (Traced by torch.compile every query is scored: where the first one is depends on
-        # the data.)
+        # One query per row (a decode step) that sees more is the query of the row that
+        # has T keys. (Traced by torch.compile every query is scored: where the first one
+        # is depends on the data.)
         if T <= self.topk:
             return batch.visible
         s0 = 0
-        if not torch.compiler.is_compiling():
+        if S > 1 and not torch.compiler.is_compiling():
             crowded = (batch.keys_seen() > self.topk).any(0).nonzero()  # [n, 1] query columns
             if crowded.numel() == 0:
                 return batch.visible
@@ -201,9 +202,8 @@ class Indexer(nn.Module):
             x, q_latent, rot = x[:, s0:], q_latent[:, s0:], rot[:, s0:]
             S = S - s0
 
-        q = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, D]
-        q_rot = rope_interleaved(q[..., : self.rope_dim], rot[:, :, None])
-        q = torch.cat([q_rot, q[..., self.rope_dim :]], dim=-1)
+        q = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim)
+        q = rope_interleaved(q, rot[:, :, None])  # [B, S, H, D]
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5  # [B, S, H]
 
         # Score queries in chunks of ~4 MB of per-head scores ([B, chunk, H, T] float32),
@@ -232,7 +232,7 @@ def top_keys(scores: Tensor, k: int) -> Tensor:
     what a stable descending sort would pick, so that the choice does not depend on T
     (padding, cache length); ``torch.topk`` alone breaks ties arbitrarily.
     scores: [B, S, T] (-inf for keys not visible). Returns [B, S, T] bool, k per row."""
-    kth = scores.topk(k, dim=-1).values[..., -1:]  # [B, S, 1]: the k-th best score
+    kth = scores.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # [B, S, 1]: the k-th best score
     above, tied = scores > kth, scores == kth
     room = k - above.sum(dim=-1, keepdim=True)  # tied keys that still fit, earliest first
     return above | (tied & (tied.cumsum(dim=-1) <= room))
