@@ -122,6 +122,28 @@ def test_dsa_top_keys_break_exact_ties_like_a_stable_sort():
         assert torch.equal(top_keys(scores, 32), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotation_rotates_the_rope_pairs_and_leaves_the_others_bit_for_bit(dtype):
+    """The DSA indexer (rope dims first) and MLA's cache rows (rope dims last) rotate a whole
+    row in one op: the rope dims exactly as rotating them alone, every other dim unchanged."""
+    from primerl_blocks.layers import partial_rotation, rope_angles, rope_interleaved, rope_rotation
+
+    rope, other = 16, 24  # dims
+    positions = torch.arange(7).expand(2, 7)
+    cos, sin = rope_angles(positions, 1.0 / 10000 ** (torch.arange(0, rope, 2).float() / rope), 1.0, torch.float32)
+    extra = {"rot": rope_rotation(cos, sin)}  # [B, S, rope/2]
+    x = torch.randn(2, 7, rope + other, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+    first = rope_interleaved(x, partial_rotation(extra, after=other // 2))  # rope dims first
+    assert torch.equal(first[..., :rope], rope_interleaved(x[..., :rope], extra["rot"]))
+    assert torch.equal(first[..., rope:], x[..., rope:])
+    last = rope_interleaved(x, partial_rotation(extra, before=other // 2))  # rope dims last
+    assert torch.equal(last[..., other:], rope_interleaved(x[..., other:], extra["rot"]))
+    assert torch.equal(last[..., :other], x[..., :other])
+    assert first.dtype == last.dtype == dtype
+    assert partial_rotation(extra, after=other // 2) is partial_rotation(extra, after=other // 2)  # built once
+
+
 def test_model_shape_and_layout(adapter, model, hf_model):
     assert model.config.indexer_types == ("full", "shared", "full", "shared")
     assert adapter.moe_layout(ModelConfig(preset="tiny")) == {
