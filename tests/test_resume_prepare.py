@@ -132,6 +132,20 @@ def test_a_finished_run_is_refused_unless_max_steps_is_raised(tmp_path):
     assert prepare_run(cfg_for(run.root, max_steps=8)).step == 6
 
 
+def test_a_finished_run_with_another_config_is_named_finished(tmp_path):
+    """The run in the directory went its whole recorded budget (10 steps): the refusal says
+    it is finished and how to go on, not that it is unfinished."""
+    run = unfinished(tmp_path, done=(4, 10), batches=10)
+    before = sorted(str(p) for p in run.root.rglob("*"))
+    with pytest.raises(PrimerlError) as info:
+        prepare_run(cfg_for(run.root, **{"env.name": "alphabet-sort", "max_steps": 1}))
+    msg = str(info.value)
+    assert "\n" not in msg and "holds a finished run (10 steps of 10) with another config: " in msg
+    assert 'env.name "reverse-text" -> "alphabet-sort"' in msg
+    assert "larger --max-steps" in msg and "--overwrite" in msg and "--output-dir" in msg
+    assert sorted(str(p) for p in run.root.rglob("*")) == before
+
+
 def test_without_a_checkpoint_the_run_starts_over_and_keeps_every_earlier_file(tmp_path):
     run = unfinished(tmp_path, done=())
     dry = prepare_run(cfg_for(run.root), dry_run=True)

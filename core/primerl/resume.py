@@ -390,12 +390,30 @@ def _refuse_to_continue(run: RunDir, good: int, max_steps: int, config: Any) -> 
         changes = config_changes(run.config, config)
         if changes:
             shown = ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in changes)
+            recorded_steps = _recorded_max_steps(run)
+            if recorded_steps is not None and good >= recorded_steps:
+                held = f"a finished run ({good} steps of {recorded_steps})"
+                again = "run its own config with a larger --max-steps to train it further"
+            else:
+                held = f"an unfinished run (checkpoint at step {good})"
+                again = "run its own config again to resume it"
             raise PrimerlError(
-                f"{run.root} holds an unfinished run (checkpoint at step {good}) with another config: {shown}; run "
-                f"its own config again to resume it (recorded in {run.config}), or add --overwrite to start "
-                f"afresh (its files are then kept in {run.root}/{PREVIOUS_PREFIX}<time>/)")
+                f"{run.root} holds {held} with another config: {shown}; {again} (recorded in {run.config}), "
+                f"add --overwrite to start afresh (its files are then kept in {run.root}/{PREVIOUS_PREFIX}<time>/), "
+                f"or choose another --output-dir")
     if good >= max_steps:
         raise RunFinished(run, good, max_steps)
+
+
+def _recorded_max_steps(run: RunDir) -> int | None:
+    """The step budget the run directory's ``config.toml`` recorded (None: unreadable)."""
+    from primerl.config import tomllib
+
+    try:
+        steps = tomllib.loads(run.config.read_text()).get("max_steps")
+    except (OSError, ValueError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 def _plan_resume(run: RunDir, good: int, unusable: list[tuple[int, str]], keep: set[str], previous: Path) -> _Plan:
