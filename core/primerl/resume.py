@@ -406,14 +406,13 @@ def _refuse_to_continue(run: RunDir, good: int, max_steps: int, config: Any) -> 
 
 
 def _recorded_max_steps(run: RunDir) -> int | None:
-    """The step budget the run directory's ``config.toml`` recorded (None: unreadable)."""
+    """The step budget the run directory's ``config.toml`` recorded (None: no file, or no budget in it)."""
     from primerl.config import tomllib
 
-    try:
-        steps = tomllib.loads(run.config.read_text()).get("max_steps")
-    except (OSError, ValueError):
+    if not run.config.is_file():
         return None
-    return steps if isinstance(steps, int) else None
+    steps = tomllib.loads(run.config.read_text()).get("max_steps")
+    return None if steps is None else int(steps)
 
 
 def _plan_resume(run: RunDir, good: int, unusable: list[tuple[int, str]], keep: set[str], previous: Path) -> _Plan:
@@ -510,8 +509,6 @@ def main(argv: list[str] | None = None) -> int:
     requeued job). Exit 0 when they may start, 2 (one line) when they must not."""
     import argparse
 
-    from primerl.config import tomllib
-
     parser = argparse.ArgumentParser(prog="python -m primerl.resume", description=main.__doc__)
     parser.add_argument("output_dir")
     parser.add_argument("--keep", action="append", default=[], help="a path under OUT never moved (repeatable)")
@@ -519,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run = RunDir(Path(args.output_dir).resolve())
     try:
-        recorded = tomllib.loads(run.config.read_text()) if run.config.is_file() else {}
-        result = prepare(run, int(recorded.get("max_steps", 100)), keep=args.keep, dry_run=args.dry_run)
+        steps = _recorded_max_steps(run)
+        result = prepare(run, 100 if steps is None else steps, keep=args.keep, dry_run=args.dry_run)
     except PrimerlError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
